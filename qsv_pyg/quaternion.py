@@ -1,0 +1,176 @@
+r"""Quaternion algebra on ``(..., 4)`` tensors, real part first: ``(w, x, y, z)``.
+
+Plain functions in the style of e3nn's ``o3/_rotation.py``: every function
+broadcasts over leading dimensions, preserves dtype and device, and is
+differentiable (checked with :func:`torch.autograd.gradcheck` in float64).
+
+A unit quaternion :math:`q` acts on a 3-vector :math:`v` by the sandwich product
+:math:`q \otimes (0, v) \otimes q^*`; on a general quaternion
+:math:`x = (x_0, \mathbf{x})` the sandwich keeps the real part :math:`x_0` and
+rotates the vector part :math:`\mathbf{x}` by :func:`quaternion_to_matrix`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "hamilton_product",
+    "conjugate",
+    "normalize",
+    "quaternion_to_matrix",
+    "rotate",
+    "rotate_blocks",
+    "random_unit_quaternion",
+    "identity_quaternion",
+]
+
+
+def _check_last_dim(q: Tensor, name: str) -> None:
+    if q.shape[-1] != 4:
+        raise ValueError(
+            f"{name} must have a last dimension of size 4 (w, x, y, z), "
+            f"got shape {tuple(q.shape)}")
+
+
+def hamilton_product(a: Tensor, b: Tensor) -> Tensor:
+    r"""Hamilton product :math:`a \otimes b`.
+
+    Args:
+        a: quaternions of shape ``(..., 4)``.
+        b: quaternions of shape ``(..., 4)`` (broadcast against ``a``).
+
+    Returns:
+        Tensor of shape ``broadcast(a, b).shape``.
+    """
+    _check_last_dim(a, "a")
+    _check_last_dim(b, "b")
+    aw, ax, ay, az = a.unbind(-1)
+    bw, bx, by, bz = b.unbind(-1)
+    return torch.stack([
+        aw * bw - ax * bx - ay * by - az * bz,
+        aw * bx + ax * bw + ay * bz - az * by,
+        aw * by - ax * bz + ay * bw + az * bx,
+        aw * bz + ax * by - ay * bx + az * bw,
+    ], dim=-1)
+
+
+def conjugate(q: Tensor) -> Tensor:
+    r"""Conjugate :math:`q^* = (w, -x, -y, -z)`; the inverse of a unit quaternion.
+
+    Args:
+        q: quaternions of shape ``(..., 4)``.
+    """
+    _check_last_dim(q, "q")
+    # Multiplying by a constant sign vector keeps this a single fused op.
+    sign = q.new_tensor([1.0, -1.0, -1.0, -1.0])
+    return q * sign
+
+
+def normalize(q: Tensor, eps: float = 1e-12) -> Tensor:
+    r"""Scale to unit norm, :math:`q / \max(\lVert q \rVert, \epsilon)`.
+
+    A quaternion of norm below ``eps`` is returned (nearly) unchanged rather than
+    blown up to NaN; use :func:`qsv_pyg.nn.qsv_conv.unit_quaternion` for the
+    convention that maps it to the identity rotation instead.
+
+    Args:
+        q: quaternions of shape ``(..., 4)``.
+        eps: lower bound on the norm in the denominator.
+    """
+    _check_last_dim(q, "q")
+    return q / q.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def identity_quaternion(*shape: int, dtype: Optional[torch.dtype] = None,
+                        device: Optional[torch.device] = None) -> Tensor:
+    """The identity rotation ``(1, 0, 0, 0)`` broadcast to ``(*shape, 4)``."""
+    q = torch.zeros(*shape, 4, dtype=dtype, device=device)
+    q[..., 0] = 1.0
+    return q
+
+
+def quaternion_to_matrix(q: Tensor) -> Tensor:
+    r"""Rotation matrix of a unit quaternion.
+
+    Args:
+        q: unit quaternions of shape ``(..., 4)``; not renormalised here, so the
+            result is orthogonal only up to how far ``q`` is from unit norm.
+
+    Returns:
+        Tensor of shape ``(..., 3, 3)`` with ``R @ v`` equal to the vector part of
+        ``q ⊗ (0, v) ⊗ q*``.
+    """
+    _check_last_dim(q, "q")
+    w, x, y, z = q.unbind(-1)
+    xx, yy, zz = x * x, y * y, z * z
+    xy, xz, yz = x * y, x * z, y * z
+    wx, wy, wz = w * x, w * y, w * z
+    one = torch.ones_like(w)
+    rows = [
+        one - 2 * (yy + zz), 2 * (xy - wz), 2 * (xz + wy),
+        2 * (xy + wz), one - 2 * (xx + zz), 2 * (yz - wx),
+        2 * (xz - wy), 2 * (yz + wx), one - 2 * (xx + yy),
+    ]
+    return torch.stack(rows, dim=-1).unflatten(-1, (3, 3))
+
+
+def rotate(q: Tensor, x: Tensor) -> Tensor:
+    r"""Sandwich product :math:`q \otimes x \otimes q^*`.
+
+    For unit ``q`` the real part of ``x`` is kept and the vector part rotated.
+    Computed literally with two Hamilton products, so it is also the reference
+    for the faster matrix form in :func:`rotate_blocks`.
+
+    Args:
+        q: quaternions of shape ``(..., 4)``.
+        x: quaternions of shape ``(..., 4)`` (broadcast against ``q``).
+    """
+    return hamilton_product(hamilton_product(q, x), conjugate(q))
+
+
+def rotate_blocks(q: Tensor, x: Tensor) -> Tensor:
+    r"""Apply the sandwich of unit ``q`` to every 4-channel block of ``x``.
+
+    Equivalent to :func:`rotate` on each block, but builds one 3×3 matrix per
+    quaternion and applies it to all blocks, which is what makes per-node
+    transport cheap.
+
+    Args:
+        q: unit quaternions of shape ``(..., 4)``.
+        x: features of shape ``(..., B, 4)``; ``q`` is broadcast over the block
+            dimension ``B``.
+
+    Returns:
+        Tensor of shape ``(..., B, 4)``.
+    """
+    _check_last_dim(q, "q")
+    _check_last_dim(x, "x")
+    rot = quaternion_to_matrix(q).unsqueeze(-3)  # (..., 1, 3, 3)
+    vec = (rot @ x[..., 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([x[..., :1], vec], dim=-1)
+
+
+def random_unit_quaternion(*shape: int, generator: Optional[torch.Generator] = None,
+                           dtype: Optional[torch.dtype] = None,
+                           device: Optional[torch.device] = None) -> Tensor:
+    r"""Uniformly random rotations (Haar measure on :math:`S^3`).
+
+    Normalised standard Gaussians are uniform on the 3-sphere.
+
+    Args:
+        *shape: leading shape; the result has shape ``(*shape, 4)``.
+        generator: optional :class:`torch.Generator` for reproducibility.
+        dtype, device: of the result (defaults: ``torch.get_default_dtype()``, CPU).
+    """
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if generator is not None and device is not None \
+            and torch.device(device).type != generator.device.type:
+        q = torch.randn(*shape, 4, generator=generator, dtype=dtype,
+                        device=generator.device).to(device)
+    else:
+        q = torch.randn(*shape, 4, generator=generator, dtype=dtype, device=device)
+    return normalize(q)

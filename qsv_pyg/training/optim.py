@@ -1,0 +1,294 @@
+"""Optimiser factory: Adam(W) on Euclidean parameters, sphere-aware on the quaternion field.
+
+Models declare unit-quaternion parameters through
+:meth:`qsv_pyg.models.base.ImageClassifier.sphere_parameters` (shape ``[..., 4]``,
+unit norm along the last dim). Two backends keep them on S³:
+
+* ``"riemannian"``: :class:`geoopt.optim.RiemannianAdam`. The Euclidean
+  gradient is projected onto the tangent space, the moments are transported
+  and the step is retracted onto the sphere. geoopt recognises sphere
+  parameters by type, so plain ``nn.Parameter`` sphere parameters are
+  **replaced in place** inside the model by ``geoopt.ManifoldParameter`` objects
+  on ``geoopt.Sphere()`` (same data, same ``state_dict`` key). Build the
+  optimiser before taking other references to those parameters.
+* ``"projected"``: :class:`ProjectedAdamW` – plain AdamW followed by
+  renormalisation to unit norm after every step. No extra dependency.
+* ``"auto"``: ``"riemannian"`` when geoopt is importable, else ``"projected"``.
+
+Both backends use decoupled (AdamW-style) weight decay on Euclidean weight
+matrices only: sphere parameters, biases, normalisation weights and every
+parameter with ``ndim <= 1`` (e.g. per-head routing temperatures) get none.
+Either way a single :class:`torch.optim.Optimizer` is returned, so LR
+schedulers and ``state_dict()`` / ``load_state_dict()`` work unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+BACKENDS = ("auto", "riemannian", "projected")
+
+# Modules whose (affine) weights are scales, not features: decaying them to 0 is harmful.
+_NORM_TYPES: Tuple[type, ...] = tuple(
+    t for t in (
+        nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),
+    ) if t is not None)
+
+
+def _import_geoopt() -> Optional[ModuleType]:
+    """Return the geoopt module, or ``None`` when it cannot be imported."""
+    try:
+        return importlib.import_module("geoopt")
+    except ImportError:
+        return None
+
+
+@torch.no_grad()
+def _normalise_(p: torch.Tensor, eps: float = 1e-12) -> None:
+    """Project ``p`` onto the unit sphere along its last dim, in place."""
+    p.div_(p.norm(dim=-1, keepdim=True).clamp_min(eps))
+
+
+class ProjectedAdamW(torch.optim.AdamW):
+    """AdamW that renormalises the parameters of ``sphere=True`` groups after each step.
+
+    Projection (``q ← q / ‖q‖``) is the cheapest retraction onto S³; the radial
+    part of the Adam update is simply discarded. Groups without a ``sphere``
+    key behave exactly like :class:`torch.optim.AdamW`.
+    """
+
+    backend = "projected"
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            if group.get("sphere", False):
+                for p in group["params"]:
+                    _normalise_(p)
+        return loss
+
+
+@functools.lru_cache(maxsize=None)
+def _riemannian_adam_class() -> type:
+    """Build (once) the decoupled-weight-decay RiemannianAdam subclass.
+
+    Defined lazily so this module imports without geoopt.
+    """
+    geoopt = _import_geoopt()
+    if geoopt is None:
+        raise ImportError(
+            "backend='riemannian' needs geoopt (pip install geoopt, or "
+            "pip install 'qsv_pyg[riemannian]'); use backend='projected' otherwise")
+
+    class DecoupledRiemannianAdam(geoopt.optim.RiemannianAdam):
+        """RiemannianAdam with AdamW-style decoupled weight decay.
+
+        geoopt adds ``weight_decay * p`` to the gradient (L2, coupled through the
+        Adam denominator). Applying ``p ← p (1 - lr·wd)`` before the update instead
+        makes Euclidean parameters follow exactly the AdamW rule of the projected
+        backend, so switching backends only changes how sphere parameters move.
+        """
+
+        backend = "riemannian"
+
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            saved = [group["weight_decay"] for group in self.param_groups]
+            with torch.no_grad():
+                for group in self.param_groups:
+                    if group["weight_decay"] != 0:
+                        for p in group["params"]:
+                            if p.grad is not None:
+                                p.mul_(1 - group["lr"] * group["weight_decay"])
+            try:
+                # Zero geoopt's coupled L2 term for this step only; param_groups and
+                # state_dict keep reporting the configured weight_decay.
+                for group in self.param_groups:
+                    group["weight_decay"] = 0.0
+                super().step()
+            finally:
+                for group, wd in zip(self.param_groups, saved):
+                    group["weight_decay"] = wd
+            return loss
+
+    DecoupledRiemannianAdam.__qualname__ = DecoupledRiemannianAdam.__name__
+    return DecoupledRiemannianAdam
+
+
+def _declared_sphere_parameters(model: nn.Module) -> List[nn.Parameter]:
+    fn = getattr(model, "sphere_parameters", None)
+    return list(fn()) if callable(fn) else []
+
+
+def _check_sphere_shapes(params: Iterable[torch.Tensor]) -> None:
+    for p in params:
+        if p.ndim == 0 or p.shape[-1] != 4:
+            raise ValueError(
+                "sphere parameters hold unit quaternions along the last dim and must have "
+                f"shape [..., 4]; got {tuple(p.shape)}")
+
+
+def _to_manifold_parameters(model: nn.Module, geoopt: ModuleType) -> List[nn.Parameter]:
+    """Replace plain sphere parameters by ``ManifoldParameter`` on ``geoopt.Sphere()``.
+
+    Every registration of a parameter (also when shared between submodules) is
+    swapped for the same new object, which shares the original storage.
+
+    Returns:
+        The model's sphere parameters after conversion.
+
+    Raises:
+        ValueError: a declared sphere parameter is not registered in the model.
+        TypeError: a declared sphere parameter lives on a non-sphere manifold, or
+            ``sphere_parameters()`` still returns the old objects after the swap.
+    """
+    declared = _declared_sphere_parameters(model)
+    todo: Dict[int, nn.Parameter] = {}
+    for p in declared:
+        if isinstance(p, geoopt.ManifoldParameter):
+            if not isinstance(p.manifold, geoopt.Sphere):
+                raise TypeError(
+                    f"sphere parameter of shape {tuple(p.shape)} is a ManifoldParameter on "
+                    f"{type(p.manifold).__name__}, expected geoopt.Sphere")
+        else:
+            todo[id(p)] = p
+    if not todo:
+        return declared
+
+    sphere = geoopt.Sphere()
+    new: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in todo:
+                if id(p) not in new:
+                    new[id(p)] = geoopt.ManifoldParameter(
+                        p.data, manifold=sphere, requires_grad=p.requires_grad)
+                setattr(module, name, new[id(p)])
+    missing = [tuple(p.shape) for key, p in todo.items() if key not in new]
+    if missing:
+        raise ValueError(
+            f"sphere_parameters() returned tensors of shape {missing} that are not registered "
+            "parameters of the model")
+
+    converted = _declared_sphere_parameters(model)
+    stale = [tuple(p.shape) for p in converted if not isinstance(p, geoopt.ManifoldParameter)]
+    if stale:
+        raise TypeError(
+            f"sphere_parameters() still returns plain tensors of shape {stale} after conversion "
+            "to geoopt.ManifoldParameter; it must read the parameters from module attributes "
+            "(not from a cached Python list)")
+    return converted
+
+
+def _param_groups(model: nn.Module, sphere: List[nn.Parameter], weight_decay: float) -> List[dict]:
+    """Split trainable parameters into ``decay`` / ``no_decay`` / ``sphere`` groups."""
+    sphere_ids = {id(p) for p in sphere}
+    decay, no_decay, on_sphere, seen = [], [], [], set()
+    for module in model.modules():
+        is_norm = isinstance(module, _NORM_TYPES)
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue  # shared parameter: keep its first classification
+            seen.add(id(p))
+            if not p.requires_grad:
+                continue
+            if id(p) in sphere_ids:
+                on_sphere.append(p)
+            elif p.ndim <= 1 or is_norm or name == "bias":
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    unregistered = sphere_ids - seen
+    if unregistered:
+        raise ValueError(f"{len(unregistered)} sphere parameter(s) are not parameters of the model")
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "sphere": False, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "sphere": False, "name": "no_decay"},
+        {"params": on_sphere, "weight_decay": 0.0, "sphere": True, "name": "sphere"},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("model has no trainable parameters")
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    backend: str = "auto",
+) -> torch.optim.Optimizer:
+    """Create the training optimiser for ``model``.
+
+    Sphere parameters (``model.sphere_parameters()``, shape ``[..., 4]``) are first
+    normalised onto S³ in place, then kept there by the chosen backend.
+
+    Args:
+        model: any ``nn.Module``; sphere parameters are read from its
+            ``sphere_parameters()`` method when it has one.
+        lr: peak learning rate (schedulers scale it per step).
+        weight_decay: decoupled weight decay for weight matrices / conv kernels.
+        betas: Adam moment coefficients.
+        backend: ``"auto"``, ``"riemannian"`` or ``"projected"`` (see module docstring).
+            With ``"riemannian"``, plain ``nn.Parameter`` sphere parameters are
+            replaced in the model by ``geoopt.ManifoldParameter`` objects.
+
+    Returns:
+        One optimiser with up to three param groups named ``decay``, ``no_decay``
+        and ``sphere`` (each group carries ``name`` and ``sphere`` keys).
+
+    Raises:
+        ValueError: unknown backend, bad hyper-parameters, sphere parameters of the
+            wrong shape or not registered in the model.
+        ImportError: ``backend="riemannian"`` without geoopt installed.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if lr <= 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
+    if backend == "auto":
+        backend = "riemannian" if _import_geoopt() is not None else "projected"
+
+    sphere = _declared_sphere_parameters(model)
+    _check_sphere_shapes(sphere)
+    for p in sphere:
+        _normalise_(p)
+
+    if backend == "riemannian":
+        cls = _riemannian_adam_class()  # raises ImportError without geoopt
+        sphere = _to_manifold_parameters(model, _import_geoopt())
+        groups = _param_groups(model, sphere, weight_decay)
+        return cls(groups, lr=lr, betas=betas)
+    groups = _param_groups(model, sphere, weight_decay)
+    return ProjectedAdamW(groups, lr=lr, betas=betas)
+
+
+def optimizer_backend(opt: torch.optim.Optimizer) -> str:
+    """Name of the sphere backend of an optimiser: ``"riemannian"`` or ``"projected"``.
+
+    Raises:
+        TypeError: ``opt`` was not built by :func:`build_optimizer` (or is not a
+            geoopt ``RiemannianAdam``).
+    """
+    backend = getattr(opt, "backend", None)
+    if backend in ("riemannian", "projected"):
+        return backend
+    geoopt = _import_geoopt()
+    if geoopt is not None and isinstance(opt, geoopt.optim.RiemannianAdam):
+        return "riemannian"
+    raise TypeError(f"{type(opt).__name__} is not a sphere-aware optimiser from build_optimizer()")
