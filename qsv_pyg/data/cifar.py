@@ -361,9 +361,8 @@ def _read_batch(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarray]:
     if labels.ndim != 1 or labels.shape[0] != data.shape[0] or (
             labels.size and labels.dtype.kind not in "iu"):
         raise DataError(
-            f"{path}: expected {expected}; got {spec.label_key!r} {_describe(raw_labels)}"
-            f"{' of ' + str(labels.dtype) if isinstance(raw_labels, (list, tuple)) else ''}"
-            f" for {data.shape[0]} images")
+            f"{path}: expected {expected}; got {spec.label_key!r} {_describe(raw_labels)} "
+            f"(element dtype {labels.dtype}) for {data.shape[0]} images")
     labels = labels.astype(np.int64, copy=False)
     if labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
         raise DataError(
@@ -493,7 +492,7 @@ def _fetch(url: str, dest: Path, expected_md5: str, progress: bool) -> None:
                 raise OSError(
                     f"could not download {url}: {reason}. Without internet access, put "
                     f"the archive or the unpacked folder under {dest.parent} by hand, or "
-                    "pass url= / --data-url with a reachable copy") from exc
+                    "pass a reachable copy as url (a local path or file:// URL works)") from exc
             with response:
                 length = response.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None

@@ -113,13 +113,18 @@ def disk_to_sphere(d: Tensor) -> Tensor:
     """
     _check_last_dim(d, 2, "d", "disk_to_sphere")
     X, Y = d.unbind(-1)
-    r2 = (X * X + Y * Y).clamp(max=DISK_RADIUS**2)
-    z = 1.0 - 0.5 * r2
-    inside = r2 < DISK_RADIUS**2
+    return _disk_to_sphere(d, 1.0 - 0.25 * (X * X + Y * Y))
+
+
+def _disk_to_sphere(d: Tensor, q: Tensor) -> Tensor:
+    # q = 1 - |d|^2 / 4 = (1 + z) / 2, passed in so that callers who know |d|
+    # exactly (square_to_sphere) avoid the cancellation of 1 - |d|^2/4 at the rim.
+    q = q.clamp(min=0.0)
+    inside = q > 0
     # sqrt has an infinite slope at 0 (the rim); keep it out of the graph there.
-    t = torch.where(inside, 1.0 - 0.25 * r2, torch.ones_like(r2))
-    s = torch.where(inside, torch.sqrt(t), torch.zeros_like(r2))
-    return torch.stack([X * s, Y * s, z], dim=-1)
+    s = torch.where(inside, torch.sqrt(torch.where(inside, q, torch.ones_like(q))), torch.zeros_like(q))
+    X, Y = d.unbind(-1)
+    return torch.stack([X * s, Y * s, 2.0 * q - 1.0], dim=-1)
 
 
 def square_to_disk(s: Tensor) -> Tensor:
@@ -211,4 +216,8 @@ def square_to_sphere(s: Tensor) -> Tensor:
     Returns:
         Tensor: Unit vectors of shape :obj:`[..., 3]`.
     """
-    return disk_to_sphere(square_to_disk(s))
+    _check_last_dim(s, 2, "s", "square_to_sphere")
+    # The concentric map sends the square of half-width m = max(|a|, |b|) to the
+    # circle of radius 2m, so 1 - |d|^2/4 = (1 - m)(1 + m) without cancellation.
+    m = s.abs().amax(dim=-1).clamp(max=1.0)
+    return _disk_to_sphere(square_to_disk(s), (1.0 - m) * (1.0 + m))

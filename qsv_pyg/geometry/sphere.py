@@ -8,6 +8,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from qsv_pyg.geometry.hierarchy import Hierarchy, _check_level_k
+from qsv_pyg.geometry.knn import knn_cross, knn_within
+from qsv_pyg.geometry.lambert import sphere_to_square
+
 # pi * (3 - sqrt(5)): successive points turn by this azimuth, which never lines up
 # with earlier ones and so spreads the points evenly in longitude.
 GOLDEN_ANGLE = math.pi * (3.0 - math.sqrt(5.0))
@@ -138,3 +142,62 @@ def build_shells(
         fibonacci_sphere(n, r, dtype=dtype, device=device)
         for n, r in zip(spec.sizes, spec.radii)
     ]
+
+
+def build_shell_hierarchy(
+    spec: ShellSpec = ShellSpec(),
+    k_cross: int = 8,
+    k_inner: int = 8,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device | str] = None,
+) -> Hierarchy:
+    r"""Concentric Fibonacci shells wired into a :class:`Hierarchy`.
+
+    * :obj:`cross_edges[s]`: every node of shell :math:`s + 1` receives its
+      :obj:`k_cross` nearest nodes of shell :math:`s`, measured between unit
+      directions (the shells have different radii), see
+      :func:`~qsv_pyg.geometry.knn_cross`.
+    * :obj:`inner_edges`: :obj:`k_inner`-NN graph of the innermost shell.
+    * :obj:`image_coords`: :func:`~qsv_pyg.geometry.sphere_to_square` of the
+      outer shell's directions, so the outer nodes sample the image with equal
+      area each; the north pole looks at the image centre.
+
+    The graph is computed once on CPU in float64 and then cast, so it does not
+    depend on :obj:`dtype` or :obj:`device`.
+
+    Args:
+        spec (ShellSpec, optional): Shell sizes and radii. (default:
+            :obj:`ShellSpec()`)
+        k_cross (int, optional): Level-:math:`s` neighbours per
+            level-:math:`(s+1)` node. (default: :obj:`8`)
+        k_inner (int, optional): Neighbours per innermost node. (default: :obj:`8`)
+        dtype (torch.dtype, optional): dtype of :obj:`pos` and
+            :obj:`image_coords`. (default: :obj:`torch.get_default_dtype()`)
+        device (torch.device, optional): Device of every tensor. (default: CPU)
+
+    Returns:
+        Hierarchy: With :obj:`kind="shells"` and 3-D positions.
+
+    Raises:
+        ValueError: If :obj:`k_cross` exceeds the size of some shell
+            :math:`s < L - 1`, or :obj:`k_inner` is not below the innermost size.
+    """
+    _check_level_k(spec.sizes, k_cross, k_inner)
+    dtype = dtype or torch.get_default_dtype()
+    shells = build_shells(spec, dtype=torch.float64)
+    cross = [
+        knn_cross(shells[s], shells[s + 1], k_cross, by_direction=True).to(device)
+        for s in range(len(shells) - 1)
+    ]
+    inner = knn_within(shells[-1], k_inner).to(device)
+    # Rounding can put a boundary point a hair outside the square.
+    image_coords = sphere_to_square(shells[0]).clamp(-1.0, 1.0)
+    return Hierarchy(
+        kind="shells",
+        pos=[p.to(dtype=dtype, device=device) for p in shells],
+        cross_edges=cross,
+        inner_edges=inner,
+        image_coords=image_coords.to(dtype=dtype, device=device),
+        k_cross=k_cross,
+        k_inner=k_inner,
+    )

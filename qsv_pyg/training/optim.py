@@ -57,6 +57,19 @@ def _normalise_(p: torch.Tensor, eps: float = 1e-12) -> None:
     p.div_(p.norm(dim=-1, keepdim=True).clamp_min(eps))
 
 
+@torch.no_grad()
+def _project_off_sphere_rows_(p: torch.Tensor, tol: float = 1e-6) -> None:
+    """Normalise only the quaternions whose norm is off by more than ``tol``.
+
+    Rows already on S³ are left bit-identical, so rebuilding an optimiser for a
+    resumed model does not perturb it (re-normalising a unit vector can flip ulps).
+    """
+    norm = p.norm(dim=-1, keepdim=True)
+    off = (norm - 1).abs() > tol
+    if off.any():
+        p.copy_(torch.where(off, p / norm.clamp_min(1e-12), p))
+
+
 class ProjectedAdamW(torch.optim.AdamW):
     """AdamW that renormalises the parameters of ``sphere=True`` groups after each step.
 
@@ -78,16 +91,11 @@ class ProjectedAdamW(torch.optim.AdamW):
 
 
 @functools.lru_cache(maxsize=None)
-def _riemannian_adam_class() -> type:
+def _riemannian_adam_class(geoopt: ModuleType) -> type:
     """Build (once) the decoupled-weight-decay RiemannianAdam subclass.
 
     Defined lazily so this module imports without geoopt.
     """
-    geoopt = _import_geoopt()
-    if geoopt is None:
-        raise ImportError(
-            "backend='riemannian' needs geoopt (pip install geoopt, or "
-            "pip install 'qsv_pyg[riemannian]'); use backend='projected' otherwise")
 
     class DecoupledRiemannianAdam(geoopt.optim.RiemannianAdam):
         """RiemannianAdam with AdamW-style decoupled weight decay.
@@ -99,6 +107,15 @@ def _riemannian_adam_class() -> type:
         """
 
         backend = "riemannian"
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            # torch.optim.Adam casts "step" to a float32 tensor on load, while geoopt
+            # keeps a Python int; restore the int so bias corrections after a resume
+            # are computed exactly as in an uninterrupted run.
+            for state in self.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = int(state["step"].item())
 
         def step(self, closure=None):
             loss = None
@@ -167,20 +184,22 @@ def _to_manifold_parameters(model: nn.Module, geoopt: ModuleType) -> List[nn.Par
     if not todo:
         return declared
 
-    sphere = geoopt.Sphere()
-    new: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) in todo:
-                if id(p) not in new:
-                    new[id(p)] = geoopt.ManifoldParameter(
-                        p.data, manifold=sphere, requires_grad=p.requires_grad)
-                setattr(module, name, new[id(p)])
-    missing = [tuple(p.shape) for key, p in todo.items() if key not in new]
+    # Find every registration first, so an error leaves the model untouched.
+    owners = [(module, name, p) for module in model.modules()
+              for name, p in module.named_parameters(recurse=False) if id(p) in todo]
+    missing = [tuple(p.shape) for key, p in todo.items()
+               if all(id(owned) != key for _, _, owned in owners)]
     if missing:
         raise ValueError(
             f"sphere_parameters() returned tensors of shape {missing} that are not registered "
             "parameters of the model")
+
+    sphere = geoopt.Sphere()
+    new: Dict[int, nn.Parameter] = {}
+    for module, name, p in owners:
+        if id(p) not in new:
+            new[id(p)] = geoopt.ManifoldParameter(p.data, manifold=sphere, requires_grad=p.requires_grad)
+        setattr(module, name, new[id(p)])
 
     converted = _declared_sphere_parameters(model)
     stale = [tuple(p.shape) for p in converted if not isinstance(p, geoopt.ManifoldParameter)]
@@ -234,7 +253,8 @@ def build_optimizer(
     """Create the training optimiser for ``model``.
 
     Sphere parameters (``model.sphere_parameters()``, shape ``[..., 4]``) are first
-    normalised onto S³ in place, then kept there by the chosen backend.
+    projected onto S³ in place (only quaternions off it by more than 1e-6, so a
+    resumed model is not perturbed), then kept there by the chosen backend.
 
     Args:
         model: any ``nn.Module``; sphere parameters are read from its
@@ -261,19 +281,24 @@ def build_optimizer(
         raise ValueError(f"lr must be positive, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
+    geoopt = _import_geoopt() if backend != "projected" else None
     if backend == "auto":
-        backend = "riemannian" if _import_geoopt() is not None else "projected"
+        backend = "riemannian" if geoopt is not None else "projected"
+    if backend == "riemannian" and geoopt is None:
+        raise ImportError(
+            "backend='riemannian' needs geoopt (pip install geoopt, or "
+            "pip install 'qsv_pyg[riemannian]'); use backend='projected' otherwise")
 
+    # Validate and project before touching the model any further.
     sphere = _declared_sphere_parameters(model)
     _check_sphere_shapes(sphere)
     for p in sphere:
-        _normalise_(p)
+        _project_off_sphere_rows_(p)
 
     if backend == "riemannian":
-        cls = _riemannian_adam_class()  # raises ImportError without geoopt
-        sphere = _to_manifold_parameters(model, _import_geoopt())
+        sphere = _to_manifold_parameters(model, geoopt)
         groups = _param_groups(model, sphere, weight_decay)
-        return cls(groups, lr=lr, betas=betas)
+        return _riemannian_adam_class(geoopt)(groups, lr=lr, betas=betas)
     groups = _param_groups(model, sphere, weight_decay)
     return ProjectedAdamW(groups, lr=lr, betas=betas)
 

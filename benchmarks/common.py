@@ -1,0 +1,114 @@
+"""Timing and memory helpers shared by the benchmark scripts.
+
+Timings are medians of repeats after warm-up, with CUDA synchronisation when the
+device is a GPU. Memory: on CUDA the allocator's peak; on CPU (which has no peak
+counter) the bytes autograd saves for backward, the activation memory that
+dominates a layer's training footprint, counted with saved-tensor hooks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], None], device: torch.device, repeats: int,
+                warmup: int = 2, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn`` in seconds (at least ``repeats`` runs, more while
+    the total is below ``min_time``)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start) < min_time:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 10 * max(repeats, 1):
+            break
+    return statistics.median(times)
+
+
+def memory_of(fn: Callable[[], torch.Tensor], device: torch.device) -> Dict[str, float]:
+    """Memory of one forward (+ backward of the returned scalar) in MiB."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        loss = fn()
+        loss.backward()
+        torch.cuda.synchronize(device)
+        return {"peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20}
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        # Count each storage once: many ops save views of the same tensor.
+        try:
+            key = t.untyped_storage().data_ptr()
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    loss.backward()
+    return {"saved_mib": sum(seen.values()) / 2**20}
+
+
+def machine_info(device: torch.device) -> Dict[str, object]:
+    import torch_geometric
+
+    info: Dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_geometric": torch_geometric.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    try:
+        import torch_scatter
+        info["torch_scatter"] = torch_scatter.__version__
+    except ImportError:
+        info["torch_scatter"] = None
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        info["cpu"] = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+    return info
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)

@@ -1,0 +1,45 @@
+"""CIFAR data: loading/validation/download (:mod:`.cifar`) and on-device batching
+and augmentation (:mod:`.augment`)."""
+from .augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR100_MEAN,
+    CIFAR100_STD,
+    CIFAR_STATS,
+    BatchAugment,
+    DeviceLoader,
+    batches,
+    derive_seed,
+    normalize,
+    random_crop_flip,
+)
+from .cifar import (
+    CIFAR_NAMES,
+    DATA_DIR_ENV,
+    DataError,
+    ImageDataset,
+    download_cifar,
+    load_cifar,
+    resolve_data_dir,
+)
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "CIFAR100_MEAN",
+    "CIFAR100_STD",
+    "CIFAR_NAMES",
+    "CIFAR_STATS",
+    "DATA_DIR_ENV",
+    "BatchAugment",
+    "DataError",
+    "DeviceLoader",
+    "ImageDataset",
+    "batches",
+    "derive_seed",
+    "download_cifar",
+    "load_cifar",
+    "normalize",
+    "random_crop_flip",
+    "resolve_data_dir",
+]

@@ -1,0 +1,74 @@
+"""Shared small fixtures: graphs built with torch only (no torch-scatter/cluster)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor
+
+
+def random_edge_index(num_src: int, num_edges: int, seed: int = 0,
+                      num_dst: Optional[int] = None,
+                      self_loops: bool = False) -> Tensor:
+    """``num_edges`` distinct random edges ``src -> dst`` in random order.
+
+    No duplicates (so a dense ``[dst, src]`` picture of the attention weights is
+    well defined); no self-loops unless asked for (homogeneous case only).
+    """
+    num_dst = num_src if num_dst is None else num_dst
+    g = torch.Generator().manual_seed(seed)
+    cand = torch.randperm(num_src * num_dst, generator=g)
+    src, dst = cand // num_dst, cand % num_dst
+    if not self_loops and num_src == num_dst:
+        keep = src != dst
+        src, dst = src[keep], dst[keep]
+    assert src.numel() >= num_edges
+    return torch.stack([src[:num_edges], dst[:num_edges]])
+
+
+def fixed_degree_edge_index(num_nodes: int, k: int, seed: int = 0,
+                            include_self: bool = False) -> Tensor:
+    """kNN-like graph: ``k`` distinct random sources per target, target-sorted.
+
+    Exactly the layout :func:`qsv_pyg.nn.fixed_degree_neighbors` recognises.
+    """
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_nodes, num_nodes, generator=g)
+    # The own node sorts first (include) or last (exclude).
+    scores.fill_diagonal_(-1.0 if include_self else 2.0)
+    src = scores.argsort(dim=1)[:, :k]  # [N, k], distinct per row
+    dst = torch.arange(num_nodes).repeat_interleave(k)
+    return torch.stack([src.reshape(-1), dst])
+
+
+class Graph:
+    def __init__(self, edge_index: Tensor, num_nodes: int):
+        self.edge_index = edge_index
+        self.num_nodes = num_nodes
+
+    @property
+    def num_edges(self) -> int:
+        return self.edge_index.size(1)
+
+
+@pytest.fixture
+def random_graph() -> Graph:
+    """7 nodes, 16 distinct edges: irregular degrees (16 is no multiple of 7)."""
+    return Graph(random_edge_index(7, 16, seed=1), 7)
+
+
+@pytest.fixture
+def knn_graph() -> Graph:
+    """8 nodes, 3 distinct non-self sources per target, target-sorted."""
+    return Graph(fixed_degree_edge_index(8, 3, seed=2), 8)
+
+
+@pytest.fixture
+def make_random_graph():
+    return random_edge_index
+
+
+@pytest.fixture
+def make_knn_graph():
+    return fixed_degree_edge_index
