@@ -105,7 +105,7 @@ def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
         dist, order = torch.sort(dist, dim=-1, stable=True)
         cand = cand.gather(-1, order)
 
-        if k_query >= n_src:
+        if cand.size(1) >= n_src:  # every source was a candidate
             break
         # The candidates are the k_query nearest, so every source left out is at
         # least as far as the farthest candidate. If some (non-self) candidate is

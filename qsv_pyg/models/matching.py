@@ -6,6 +6,7 @@ the totals agree within a tolerance.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Sequence, Tuple
 
 from torch import nn
@@ -19,12 +20,22 @@ def count_parameters(model: nn.Module) -> int:
 def scale_widths(widths: Sequence[int], scale: float, multiple: int) -> Tuple[int, ...]:
     """``widths`` times ``scale``, each rounded to a positive multiple of ``multiple``.
 
-    Rounding is monotone in ``scale``, so the parameter count of the scaled model
-    never decreases as ``scale`` grows (what bisection needs).
+    The rounding is dithered: level ``i`` of ``L`` rounds ``w·scale/multiple`` at
+    the threshold ``0.5 - ((i + 0.5) / L - 0.5)`` instead of ``0.5``. Levels of
+    equal width then step up at different scales, one at a time, so the reachable
+    parameter counts are much finer than with plain rounding (where, say, three
+    levels of width 128 jump to 144 together). ``scale = 1`` returns multiples of
+    ``multiple`` unchanged, and every width is non-decreasing in ``scale``, so the
+    parameter count is too (what bisection needs).
     """
     if multiple < 1:
         raise ValueError(f"multiple must be positive, got {multiple}")
-    return tuple(max(multiple, multiple * int(round(w * scale / multiple))) for w in widths)
+    n = len(widths)
+    out = []
+    for i, w in enumerate(widths):
+        dither = (i + 0.5) / n - 0.5  # in (-0.5, 0.5)
+        out.append(max(multiple, multiple * math.floor(w * scale / multiple + dither + 0.5)))
+    return tuple(out)
 
 
 def match_width(build: Callable[[float], nn.Module], target_params: int,

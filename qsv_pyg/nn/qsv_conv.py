@@ -374,10 +374,12 @@ class QSVConv(MessagePassing):
                 src_q, dst_q = f_src, f_dst
             else:
                 assert src_q is not None
-                new_src = hamilton_product(src_q, unit_quaternion(f_src))
+                # Normalise the given field first, so that a zero quaternion
+                # counts as the identity here too (identity ⊗ q(x) = q(x)).
+                new_src = hamilton_product(unit_quaternion(src_q), unit_quaternion(f_src))
                 if bipartite:
                     dst_q = None if (dst_q is None or f_dst is None) else \
-                        hamilton_product(dst_q, unit_quaternion(f_dst))
+                        hamilton_product(unit_quaternion(dst_q), unit_quaternion(f_dst))
                 else:
                     dst_q = new_src
                 src_q = new_src
@@ -515,6 +517,10 @@ class QSVConv(MessagePassing):
             out = out + self.bias
 
         if return_attention_weights:
+            if x_src.dim() == 3 and alpha.dim() == 2:
+                # The fixed-degree path computes a routing shared by the batch
+                # once; report it per item, [B, E, H], like the scatter path.
+                alpha = alpha.expand(x_src.size(0), -1, -1)
             if isinstance(edge_index, Tensor):
                 if is_torch_sparse_tensor(edge_index):
                     adj = set_sparse_value(edge_index, alpha)
@@ -531,7 +537,8 @@ class QSVConv(MessagePassing):
         if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
             raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
         B, num_src = v.size(0), v.size(1)
-        edge_index = edge_index.as_subclass(Tensor)
+        if type(edge_index) is not Tensor:  # EdgeIndex; as_subclass breaks compile
+            edge_index = edge_index.as_subclass(Tensor)
         offsets = torch.arange(B, device=edge_index.device).view(B, 1, 1)
         offsets = offsets * torch.tensor([num_src, num_dst],
                                          device=edge_index.device).view(1, 2, 1)
@@ -659,6 +666,10 @@ class QSVConv(MessagePassing):
         else:
             logits = self._logits(None, q_src, None, None, (n, k))
         alpha = torch.softmax(logits, dim=-2)  # [..., n, k, H]
+        if self.training and self.dropout > 0 and alpha.dim() < v.dim():
+            # Routing shared by the batch: still drop independently per item,
+            # as the scatter path does.
+            alpha = alpha.expand(*v.shape[:-3], *alpha.shape)
         alpha = F.dropout(alpha, p=self.dropout, training=self.training)
         z = (alpha.unsqueeze(-1) * v[..., nbr, :, :]).sum(dim=-3)  # [..., n, H, C]
         return z, alpha.reshape(*alpha.shape[:-3], n * k, self.heads)

@@ -1,0 +1,362 @@
+"""GraphNet: the QSV image classifier, its attention controls and the lattice control.
+
+Pipeline (one class for every variant; only the conv and the geometry change)::
+
+    images [B, 3, H, W]
+      └─ Lambert patch embedding ─────────────→ level 0   [B, N_0, w_0]
+      └─ CrossBlock, level s → s+1 (kNN)     ─→ level s+1 [B, N_{s+1}, w_{s+1}]
+         (level s+1 starts from a learned per-node embedding)
+      └─ within_rounds × WithinBlock on the innermost level's kNN graph
+      └─ mean over nodes → LayerNorm → Linear ─→ logits   [B, num_classes]
+
+With ``conv="qsv"`` every level carries a :class:`QuaternionField` (unless the
+quaternions come from the features only) that every QSVConv touching the level
+reads, so routing and transport between two levels are set by the two fields.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..geometry import (
+    Hierarchy,
+    LatticeSpec,
+    ShellSpec,
+    build_lattice_hierarchy,
+    build_shell_hierarchy,
+    dense_neighbors,
+    knn_within,
+)
+from ..nn import QSVConv
+from .base import ImageClassifier, format_count
+from .blocks import CONV_KINDS, CrossBlock, WithinBlock
+from .embedding import LambertPatchEmbedding
+from .field import QuaternionField
+
+GEOMETRIES = ("shells", "lattice")
+QUAT_SOURCES = {"field": "given", "features": "features", "both": "composed"}
+
+DEFAULT_WIDTHS = (64, 96, 128, 128, 128)
+
+# Defaults of the QSV-only arguments. GraphNet takes them as ``None`` so that a
+# control (conv != "qsv") given any of them fails loudly instead of ignoring it.
+QSV_DEFAULTS = dict(
+    routing="learned",
+    transport="sandwich",
+    quat_source="field",
+    frozen_field=False,
+    field_init="uniform",
+    beta_init=1.0,
+    learn_beta=True,
+    beta_prior=None,  # None: the prior is beta_init
+    beta_prior_weight=0.0,
+    repulsion_k=8,
+    repulsion_weight=0.01,
+)
+
+
+class GraphNet(ImageClassifier):
+    r"""Hierarchical graph classifier on concentric shells or a flat lattice.
+
+    Args:
+        num_classes: classifier outputs.
+        hierarchy: a prebuilt :class:`~qsv_pyg.geometry.Hierarchy`; when given,
+            ``geometry``, ``spec``, ``k_cross`` and ``k_inner`` must be left at
+            their defaults.
+        geometry: ``"shells"`` (Fibonacci shells) or ``"lattice"`` (square grids).
+        spec: :class:`~qsv_pyg.geometry.ShellSpec` or
+            :class:`~qsv_pyg.geometry.LatticeSpec` (default: the geometry's
+            default spec, 256-144-64-36-16 nodes).
+        k_cross: sources per target between levels.
+        k_inner: neighbours per node within the innermost level.
+        conv: ``"qsv"``, ``"gat"``, ``"gatv2"`` or ``"transformer"``.
+        widths: feature size of every level, outer first. For QSV each must be a
+            multiple of ``4 * heads``; otherwise of ``heads``.
+        heads: attention heads (quaternions per node for QSV).
+        patch_size: side in pixels of the patch each outer node samples.
+        image_size: side of the square input images.
+        in_ch: image channels.
+        mlp_ratio: MLP hidden size relative to the level width.
+        within_rounds: WithinBlocks on the innermost level.
+        check_finite: let QSVConv check its inputs for NaN/inf (a host sync per
+            layer; off by default, the training loop checks the loss).
+
+    QSV-only arguments (``None`` means the default in brackets; a control
+    rejects any of them with :class:`ValueError`):
+
+    Args:
+        routing: QSVConv routing (``"learned"``), ``"abs"``, ``"uniform"`` or
+            ``"geometric"`` (positions: unit directions on shells, raw 2-D
+            coordinates on the lattice).
+        transport: ``"sandwich"`` (default) or ``"identity"``.
+        quat_source: ``"field"`` (default; the level's learned field),
+            ``"features"`` (a linear map of the features) or ``"both"`` (the field
+            composed with the feature quaternion).
+        frozen_field: keep the fields at their random initialisation (``False``).
+        field_init: ``"uniform"`` (default) or ``"identity"``, see
+            :class:`QuaternionField`.
+        beta_init: initial routing temperature (``1.0``).
+        learn_beta: learn the temperatures (``True``).
+        beta_prior: centre of the log-temperature prior (``beta_init``).
+        beta_prior_weight: weight of
+            :math:`\sum (\log\beta - \log\beta_{prior})^2` over all layers and
+            heads (``0.0``).
+        repulsion_k: same-level neighbours in the field repulsion (``8``).
+        repulsion_weight: weight of the field repulsion, averaged over levels
+            (``0.01``).
+
+    Shapes:
+        - **input:** ``[B, in_ch, image_size, image_size]``
+        - **output:** ``[B, num_classes]``
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        *,
+        hierarchy: Optional[Hierarchy] = None,
+        geometry: str = "shells",
+        spec: Union[ShellSpec, LatticeSpec, None] = None,
+        k_cross: int = 8,
+        k_inner: int = 8,
+        conv: str = "qsv",
+        widths: Sequence[int] = DEFAULT_WIDTHS,
+        heads: int = 4,
+        patch_size: int = 4,
+        image_size: int = 32,
+        in_ch: int = 3,
+        mlp_ratio: float = 2.0,
+        within_rounds: int = 2,
+        check_finite: bool = False,
+        routing: Optional[str] = None,
+        transport: Optional[str] = None,
+        quat_source: Optional[str] = None,
+        frozen_field: Optional[bool] = None,
+        field_init: Optional[str] = None,
+        beta_init: Optional[float] = None,
+        learn_beta: Optional[bool] = None,
+        beta_prior: Optional[float] = None,
+        beta_prior_weight: Optional[float] = None,
+        repulsion_k: Optional[int] = None,
+        repulsion_weight: Optional[float] = None,
+    ):
+        super().__init__()
+        if conv not in CONV_KINDS:
+            raise ValueError(f"conv={conv!r} is not supported; choose one of {CONV_KINDS}")
+        given = dict(routing=routing, transport=transport, quat_source=quat_source,
+                     frozen_field=frozen_field, field_init=field_init, beta_init=beta_init,
+                     learn_beta=learn_beta, beta_prior=beta_prior,
+                     beta_prior_weight=beta_prior_weight, repulsion_k=repulsion_k,
+                     repulsion_weight=repulsion_weight)
+        if conv != "qsv":
+            extra = sorted(k for k, v in given.items() if v is not None)
+            if extra:
+                raise ValueError(f"{extra} only apply to conv='qsv', not conv={conv!r}")
+        opts = {k: (QSV_DEFAULTS[k] if v is None else v) for k, v in given.items()}
+        if opts["quat_source"] not in QUAT_SOURCES:
+            raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
+                             f"choose one of {tuple(QUAT_SOURCES)}")
+
+        hierarchy = self._resolve_hierarchy(hierarchy, geometry, spec, k_cross, k_inner)
+        L = hierarchy.num_levels
+        widths = tuple(int(w) for w in widths)
+        if len(widths) != L:
+            raise ValueError(f"widths has {len(widths)} entries but the hierarchy has "
+                             f"{L} levels")
+        multiple = 4 * heads if conv == "qsv" else heads
+        bad = [w for w in widths if w <= 0 or w % multiple]
+        if bad:
+            raise ValueError(f"widths {bad} are not positive multiples of {multiple} "
+                             f"({'4 * heads' if conv == 'qsv' else 'heads'}, heads={heads})")
+        if isinstance(within_rounds, bool) or not isinstance(within_rounds, int) \
+                or within_rounds < 0:
+            raise ValueError(f"within_rounds must be a non-negative int, got {within_rounds!r}")
+
+        self.num_classes = num_classes
+        self.geometry = hierarchy.kind
+        self.sizes = hierarchy.sizes
+        self.conv_kind = conv
+        self.widths = widths
+        self.heads = heads
+        self.within_rounds = within_rounds
+        self.is_qsv = conv == "qsv"
+        self.qsv_options = opts if self.is_qsv else {}
+
+        # Graph tensors are buffers: built once, saved with the model, moved by .to().
+        for s, edges in enumerate(hierarchy.cross_edges):
+            self.register_buffer(f"cross_edges_{s}", edges.detach().clone().long())
+        self.register_buffer("inner_edges", hierarchy.inner_edges.detach().clone().long())
+
+        self.embed = LambertPatchEmbedding(hierarchy.image_coords, patch_size=patch_size,
+                                           image_size=image_size, in_ch=in_ch, dim=widths[0])
+        # Levels 1..L-1 start from a learned per-node state that gathers from below.
+        self.level_embed = nn.ParameterList(
+            [nn.Parameter(torch.randn(n, w) * 0.02) for n, w in zip(self.sizes[1:], widths[1:])])
+
+        qsv_kwargs: Dict[str, object] = {}
+        self.fields: Optional[nn.ModuleList] = None
+        self.routing_pos = False
+        if self.is_qsv:
+            qsv_kwargs = dict(routing=opts["routing"], transport=opts["transport"],
+                              quat_source=QUAT_SOURCES[opts["quat_source"]],
+                              beta_init=opts["beta_init"], learn_beta=opts["learn_beta"],
+                              check_finite=check_finite)
+            if opts["quat_source"] != "features":
+                self.fields = nn.ModuleList(
+                    [QuaternionField(n, heads, frozen=opts["frozen_field"],
+                                     init=opts["field_init"]) for n in self.sizes])
+            if opts["routing"] == "geometric":
+                # Unit directions on shells (shells of different radii are compared
+                # by angle), raw coordinates on the flat lattice.
+                self.routing_pos = True
+                for s, p in enumerate(hierarchy.pos):
+                    p = p.detach().clone().float()
+                    if self.geometry == "shells":
+                        p = p / p.norm(dim=-1, keepdim=True)
+                    self.register_buffer(f"pos_{s}", p)
+            self._setup_regularisers(hierarchy)
+
+        self.cross = nn.ModuleList([
+            CrossBlock(conv, widths[s], widths[s + 1], heads, mlp_ratio, **qsv_kwargs)
+            for s in range(L - 1)])
+        self.within = nn.ModuleList([
+            WithinBlock(conv, widths[-1], heads, mlp_ratio, **qsv_kwargs)
+            for _ in range(within_rounds)])
+        self.norm = nn.LayerNorm(widths[-1])
+        self.head = nn.Linear(widths[-1], num_classes)
+
+    # ----------------------------------------------------------------- setup
+    @staticmethod
+    def _resolve_hierarchy(hierarchy: Optional[Hierarchy], geometry: str,
+                           spec: Union[ShellSpec, LatticeSpec, None], k_cross: int,
+                           k_inner: int) -> Hierarchy:
+        if hierarchy is not None:
+            if geometry != "shells" or spec is not None or k_cross != 8 or k_inner != 8:
+                raise ValueError("pass either a hierarchy or geometry/spec/k_cross/k_inner, "
+                                 "not both")
+            return hierarchy
+        if geometry not in GEOMETRIES:
+            raise ValueError(f"geometry={geometry!r} is not supported; choose one of "
+                             f"{GEOMETRIES}")
+        if geometry == "shells":
+            spec = ShellSpec() if spec is None else spec
+            if not isinstance(spec, ShellSpec):
+                raise ValueError(f"geometry='shells' needs a ShellSpec, got {type(spec).__name__}")
+            return build_shell_hierarchy(spec, k_cross=k_cross, k_inner=k_inner)
+        spec = LatticeSpec() if spec is None else spec
+        if not isinstance(spec, LatticeSpec):
+            raise ValueError(f"geometry='lattice' needs a LatticeSpec, got {type(spec).__name__}")
+        return build_lattice_hierarchy(spec, k_cross=k_cross, k_inner=k_inner)
+
+    def _setup_regularisers(self, hierarchy: Hierarchy) -> None:
+        opts = self.qsv_options
+        for name in ("beta_prior_weight", "repulsion_weight"):
+            if not (opts[name] >= 0 and math.isfinite(opts[name])):
+                raise ValueError(f"{name} must be a non-negative number, got {opts[name]!r}")
+        prior = opts["beta_init"] if opts["beta_prior"] is None else opts["beta_prior"]
+        if not (prior > 0 and math.isfinite(prior)):
+            raise ValueError(f"beta_prior must be a positive number, got {prior!r}")
+        self.log_beta_prior = math.log(prior)
+
+        # Repulsion needs a learnable field and same-level neighbours to repel.
+        self.repulsion_levels: List[int] = []
+        if self.fields is None or opts["frozen_field"] or opts["repulsion_weight"] == 0:
+            return
+        if isinstance(opts["repulsion_k"], bool) or not isinstance(opts["repulsion_k"], int) \
+                or opts["repulsion_k"] < 1:
+            raise ValueError(f"repulsion_k must be a positive int, got {opts['repulsion_k']!r}")
+        for s, p in enumerate(hierarchy.pos):
+            k = min(opts["repulsion_k"], p.size(0) - 1)  # small levels: all other nodes
+            if k < 1:
+                continue
+            nbr = dense_neighbors(knn_within(p.detach().double(), k), p.size(0))
+            self.register_buffer(f"repulsion_nbrs_{s}", nbr.clone())
+            self.repulsion_levels.append(s)
+
+    # ------------------------------------------------------------- accessors
+    def cross_edges(self, s: int) -> Tensor:
+        """Edges from level ``s`` to level ``s + 1`` (``[2, N_{s+1} * k_cross]``)."""
+        return getattr(self, f"cross_edges_{s}")
+
+    def graph_buffers(self) -> Dict[str, Tensor]:
+        """Every edge tensor the blocks use, by buffer name."""
+        out = {f"cross_edges_{s}": self.cross_edges(s) for s in range(len(self.cross))}
+        out["inner_edges"] = self.inner_edges
+        return out
+
+    def qsv_convs(self) -> Dict[str, QSVConv]:
+        """Every QSVConv by name (``cross0``, ..., ``within0``, ...); empty for controls."""
+        if not self.is_qsv:
+            return {}
+        out = {f"cross{s}": b.conv.conv for s, b in enumerate(self.cross)}
+        out.update({f"within{r}": b.conv.conv for r, b in enumerate(self.within)})
+        return out
+
+    def _quat(self, s: int) -> Optional[Tensor]:
+        return None if self.fields is None else self.fields[s]()
+
+    def _pos(self, s: int) -> Optional[Tensor]:
+        return getattr(self, f"pos_{s}") if self.routing_pos else None
+
+    # --------------------------------------------------------------- forward
+    def forward(self, images: Tensor) -> Tensor:
+        B = images.size(0)
+        x = self.embed(images)  # [B, N_0, w_0]
+        quats = [self._quat(s) for s in range(len(self.sizes))]
+        for s, block in enumerate(self.cross):
+            dst = self.level_embed[s].unsqueeze(0).expand(B, -1, -1)
+            pair_q = None if quats[s] is None else (quats[s], quats[s + 1])
+            pair_p = None if not self.routing_pos else (self._pos(s), self._pos(s + 1))
+            x = block(x, dst, self.cross_edges(s), quat=pair_q, pos=pair_p)
+        for block in self.within:
+            x = block(x, self.inner_edges, quat=quats[-1], pos=self._pos(len(self.sizes) - 1))
+        return self.head(self.norm(x.mean(dim=1)))
+
+    # ----------------------------------------------------- ImageClassifier hooks
+    def auxiliary_loss(self) -> Tensor:
+        """Field repulsion (mean over levels) plus the log-temperature prior."""
+        loss = super().auxiliary_loss()
+        if not self.is_qsv:
+            return loss
+        opts = self.qsv_options
+        if self.repulsion_levels:
+            assert self.fields is not None
+            rep = torch.stack([self.fields[s].repulsion(getattr(self, f"repulsion_nbrs_{s}"))
+                               for s in self.repulsion_levels]).mean()
+            loss = loss + opts["repulsion_weight"] * rep
+        if opts["beta_prior_weight"] > 0 and opts["learn_beta"]:
+            prior = sum((conv.log_beta - self.log_beta_prior).pow(2).sum()
+                        for conv in self.qsv_convs().values())
+            loss = loss + opts["beta_prior_weight"] * prior
+        return loss
+
+    def betas(self) -> Dict[str, Tensor]:
+        """Per-head temperatures ``[heads]`` of every QSV layer (detached)."""
+        return {name: conv.beta.detach() for name, conv in self.qsv_convs().items()}
+
+    def sphere_parameters(self) -> List[nn.Parameter]:
+        """The learnable quaternion fields (read from the modules on every call)."""
+        if self.fields is None:
+            return []
+        return [f.quaternions for f in self.fields if not f.frozen]
+
+    def describe(self) -> str:
+        """Short configuration string, e.g. ``"qsv on shells 256-144-64-36-16, ..."``."""
+        text = (f"{self.conv_kind} on {self.geometry} {'-'.join(map(str, self.sizes))}, "
+                f"widths {'-'.join(map(str, self.widths))}, heads {self.heads}")
+        if self.is_qsv:
+            o = self.qsv_options
+            text += (f", routing {o['routing']}, transport {o['transport']}, "
+                     f"quat {o['quat_source']}{' (frozen)' if o['frozen_field'] else ''}")
+        return text
+
+    def summary(self) -> str:
+        """Parameter count and configuration, e.g. ``"GraphNet: 0.570M parameters
+        (570,000), ... [qsv on shells ...]"``."""
+        return f"{super().summary()} [{self.describe()}]"
+
+    def extra_repr(self) -> str:
+        return f"{self.describe()}, {format_count(self.num_parameters())} parameters"

@@ -1,0 +1,176 @@
+"""Registered graph models: QSV, its attention controls and the lattice control.
+
+* ``qsv``: :class:`GraphNet` on Fibonacci shells with QSVConv.
+* ``attention-gat`` / ``attention-gatv2`` / ``attention-transformer``: the same
+  network with the conv swapped for PyG's ``GATConv`` / ``GATv2Conv`` /
+  ``TransformerConv``; the widths are scaled so the parameter count is within
+  ``match_tol`` (5%) of the QSV model built with the same shared overrides.
+* ``lattice``: QSV on flat square grids with the same node counts and widths.
+
+Overrides are validated by name: a typo raises :class:`TypeError` rather than
+silently training the default model.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Iterable, Tuple
+
+from ..geometry import (
+    Hierarchy,
+    LatticeSpec,
+    ShellSpec,
+    build_lattice_hierarchy,
+    build_shell_hierarchy,
+)
+from .graph_net import DEFAULT_WIDTHS, QSV_DEFAULTS, GraphNet
+from .matching import count_parameters, match_width, scale_widths
+from .registry import register_model
+
+# Overrides every graph model takes (geometry knobs are added per model).
+SHARED = ("k_cross", "k_inner", "heads", "patch_size", "image_size", "mlp_ratio",
+          "within_rounds")
+SHELL_KEYS = ("shell_sizes", "shell_radii")
+LATTICE_KEYS = ("lattice_sides", )
+QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS)
+CONTROL_KEYS = ("widths", "qsv_widths", "match_tol")
+
+
+def _check_overrides(model: str, overrides: Dict[str, Any], accepted: Iterable[str]) -> None:
+    accepted = tuple(accepted)
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        raise TypeError(f"{model}() got unexpected override(s) "
+                        f"{', '.join(map(repr, unknown))}; accepted: num_classes, "
+                        f"{', '.join(sorted(accepted))}")
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (e.g. from a JSON/CLI override) become tuples, so overrides hash."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _default_radii(n: int) -> Tuple[float, ...]:
+    # Evenly spaced from 1 inwards: (1.0, 0.8, 0.6, 0.4, 0.2) for five shells.
+    return tuple((n - s) / n for s in range(n))
+
+
+@functools.lru_cache(maxsize=32)
+def _hierarchy(geometry: str, sizes: Tuple, radii: Tuple, k_cross: int,
+               k_inner: int) -> Hierarchy:
+    """Cached geometry: building a control solves its widths with many builds."""
+    if geometry == "shells":
+        spec = ShellSpec() if sizes is None else ShellSpec(
+            sizes=sizes, radii=_default_radii(len(sizes)) if radii is None else radii)
+        return build_shell_hierarchy(spec, k_cross=k_cross, k_inner=k_inner)
+    spec = LatticeSpec() if sizes is None else LatticeSpec(sides=sizes)
+    return build_lattice_hierarchy(spec, k_cross=k_cross, k_inner=k_inner)
+
+
+def _split(overrides: Dict[str, Any], geometry: str) -> Tuple[Hierarchy, Dict[str, Any]]:
+    """Pop the geometry overrides and return the (cached) hierarchy and the rest."""
+    rest = {k: _freeze(v) for k, v in overrides.items()}
+    if geometry == "shells":
+        sizes, radii = rest.pop("shell_sizes", None), rest.pop("shell_radii", None)
+        if sizes is None and radii is not None:
+            raise ValueError("shell_radii needs shell_sizes")
+    else:
+        sizes, radii = rest.pop("lattice_sides", None), None
+    hierarchy = _hierarchy(geometry, sizes, radii, rest.pop("k_cross", 8),
+                           rest.pop("k_inner", 8))
+    return hierarchy, rest
+
+
+def _graph_net(num_classes: int, geometry: str, **overrides) -> GraphNet:
+    hierarchy, rest = _split(overrides, geometry)
+    return GraphNet(num_classes, hierarchy=hierarchy, **rest)
+
+
+@register_model("qsv")
+def qsv(num_classes: int = 10, **overrides) -> GraphNet:
+    """QSV on concentric Fibonacci shells (default ≈0.57M parameters).
+
+    Overrides: ``shell_sizes``, ``shell_radii`` (default: evenly spaced from 1),
+    ``k_cross``, ``k_inner``, ``heads``, ``patch_size``, ``image_size``,
+    ``mlp_ratio``, ``within_rounds``, ``widths``, ``check_finite`` and every
+    QSV-only :class:`GraphNet` argument (``routing``, ``transport``,
+    ``quat_source``, ``frozen_field``, ``field_init``, ``beta_init``,
+    ``learn_beta``, ``beta_prior``, ``beta_prior_weight``, ``repulsion_k``,
+    ``repulsion_weight``).
+    """
+    _check_overrides("qsv", overrides, SHARED + SHELL_KEYS + QSV_KEYS)
+    return _graph_net(num_classes, "shells", conv="qsv", **overrides)
+
+
+@register_model("lattice")
+def lattice(num_classes: int = 10, **overrides) -> GraphNet:
+    """QSV on flat square grids (16-12-8-6-4 sides: the shells' node counts).
+
+    Same widths and overrides as ``qsv``, with ``lattice_sides`` instead of the
+    shell geometry; the parameter count equals ``qsv``'s up to the (equal) node
+    counts.
+    """
+    _check_overrides("lattice", overrides, SHARED + LATTICE_KEYS + QSV_KEYS)
+    return _graph_net(num_classes, "lattice", conv="qsv", **overrides)
+
+
+@functools.lru_cache(maxsize=64)
+def _solve_widths(conv: str, num_classes: int, shared: Tuple[Tuple[str, Any], ...],
+                  qsv_widths: Tuple[int, ...], tol: float) -> Tuple[Tuple[int, ...], int]:
+    """Control widths matched to the QSV reference; memoised on the overrides.
+
+    Returns:
+        ``(widths, target)`` with ``target`` the reference QSV parameter count.
+    """
+    shared_kw = dict(shared)
+    target = count_parameters(_graph_net(num_classes, "shells", conv="qsv",
+                                         widths=qsv_widths, **shared_kw))
+    heads = shared_kw.get("heads", 4)
+
+    def build(scale: float) -> GraphNet:
+        # Rounded to 4 * heads like QSV's widths, so the controls are as coarse.
+        widths = scale_widths(qsv_widths, scale, 4 * heads)
+        return _graph_net(num_classes, "shells", conv=conv, widths=widths, **shared_kw)
+
+    model, _ = match_width(build, target, tol=tol)
+    return model.widths, target
+
+
+def _control(conv: str, name: str, num_classes: int, overrides: Dict[str, Any]) -> GraphNet:
+    _check_overrides(name, overrides, SHARED + SHELL_KEYS + CONTROL_KEYS)
+    overrides = {k: _freeze(v) for k, v in overrides.items()}
+    if "widths" in overrides and "qsv_widths" in overrides:
+        raise ValueError("pass either widths (used as given) or qsv_widths (matched)")
+    widths = overrides.pop("widths", None)
+    qsv_widths = overrides.pop("qsv_widths", DEFAULT_WIDTHS)
+    tol = overrides.pop("match_tol", 0.05)
+    if widths is None:
+        # The reference is the QSV model with the overrides both models share.
+        widths, _ = _solve_widths(conv, num_classes, tuple(sorted(overrides.items())),
+                                  tuple(qsv_widths), float(tol))
+    return _graph_net(num_classes, "shells", conv=conv, widths=widths, **overrides)
+
+
+@register_model("attention-gat")
+def attention_gat(num_classes: int = 10, **overrides) -> GraphNet:
+    """QSV's network with ``GATConv``; parameters matched to ``qsv`` within 5%.
+
+    Overrides: the shared ones of ``qsv`` (geometry, k's, heads, patch size,
+    MLP ratio, within rounds) plus ``qsv_widths`` (widths of the QSV reference
+    to match, default ``qsv``'s), ``match_tol`` (default 0.05) or ``widths``
+    (use exactly these widths, no matching).
+    """
+    return _control("gat", "attention-gat", num_classes, overrides)
+
+
+@register_model("attention-gatv2")
+def attention_gatv2(num_classes: int = 10, **overrides) -> GraphNet:
+    """QSV's network with ``GATv2Conv``; see :func:`attention_gat`."""
+    return _control("gatv2", "attention-gatv2", num_classes, overrides)
+
+
+@register_model("attention-transformer")
+def attention_transformer(num_classes: int = 10, **overrides) -> GraphNet:
+    """QSV's network with ``TransformerConv``; see :func:`attention_gat`."""
+    return _control("transformer", "attention-transformer", num_classes, overrides)
