@@ -438,10 +438,10 @@ def test_make_conv_kinds():
 
 def test_match_width_bisection():
     def build(scale):
-        return nn.Linear(max(1, round(100 * scale)), 10)  # 11 * width + 10 params
+        return nn.Linear(max(1, round(100 * scale)), 10)  # 10 * width + 10 params
 
-    model, scale = match_width(build, 1_110, tol=0.01)
-    assert abs(sum(p.numel() for p in model.parameters()) - 1_110) <= 11
+    model, scale = match_width(build, 1_010, tol=0.01)
+    assert sum(p.numel() for p in model.parameters()) == 1_010
     assert model.in_features == 100 and scale == pytest.approx(1.0, abs=0.01)
     model, scale = match_width(build, 5_000, tol=0.01)
     assert abs(sum(p.numel() for p in model.parameters()) - 5_000) <= 50

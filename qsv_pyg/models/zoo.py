@@ -108,8 +108,8 @@ def lattice(num_classes: int = 10, **overrides) -> GraphNet:
     """QSV on flat square grids (16-12-8-6-4 sides: the shells' node counts).
 
     Same widths and overrides as ``qsv``, with ``lattice_sides`` instead of the
-    shell geometry; the parameter count equals ``qsv``'s up to the (equal) node
-    counts.
+    shell geometry. With equal node counts and widths the parameter count equals
+    ``qsv``'s exactly; only the positions and the kNN graphs differ.
     """
     _check_overrides("lattice", overrides, SHARED + LATTICE_KEYS + QSV_KEYS)
     return _graph_net(num_classes, "lattice", conv="qsv", **overrides)
