@@ -700,7 +700,7 @@ def test_compile_no_graph_breaks(case, dense_path, knn_graph):
     conv = make_conv(16, 3, 2, routing=routing, dense_path=dense_path)
     N = knn_graph.num_nodes
     x, quat, pos = inputs(N, 16, 2, seed=28, batch=2 if case == "batched" else None)
-    q = None if case == "geometric_features" else (quat if case == "batched" else quat)
+    q = None if case == "geometric_features" else quat  # [B, N, H, 4] when batched
     expected = conv(x, knn_graph.edge_index, quat=q, pos=pos)
     compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
     out = compiled(x, knn_graph.edge_index, quat=q, pos=pos)
@@ -824,8 +824,8 @@ def test_forward_errors(random_graph):
     with pytest.raises(ValueError, match="geometric.*pos"):
         QSVConv(8, 4, routing="geometric")(torch.randn(N, 8), ei)
     with pytest.raises(ValueError, match="positions of source and target"):
-        QSVConv((8, 8), 4, heads=2, routing="geometric")((x, x[:3]), ei[:, ei[1] < 3],
-                                                 quat=(quat, quat[:3]), pos=(pos, None))
+        geo = QSVConv((8, 8), 4, heads=2, routing="geometric")
+        geo((x, x[:3]), ei[:, ei[1] < 3], quat=(quat, quat[:3]), pos=(pos, None))
     bad = x.clone()
     bad[1, 2] = float("nan")
     with pytest.raises(ValueError, match="non-finite node features"):

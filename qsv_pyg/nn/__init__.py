@@ -1,5 +1,6 @@
 """Graph layers: :class:`QSVConv` and its reference implementation."""
-from .qsv_conv import QSVConv, fixed_degree_neighbors, unit_quaternion
+from .fixed_degree import fixed_degree_neighbors, weighted_neighbor_sum
+from .qsv_conv import QSVConv, unit_quaternion
 from .reference import qsv_conv_reference
 
-__all__ = ["QSVConv", "fixed_degree_neighbors", "unit_quaternion", "qsv_conv_reference"]
+__all__ = ["QSVConv", "fixed_degree_neighbors", "weighted_neighbor_sum", "unit_quaternion", "qsv_conv_reference"]

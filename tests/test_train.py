@@ -1,0 +1,393 @@
+"""End-to-end tests of the training CLI/loop on a tiny CIFAR-10 layout (CPU only).
+
+Every run is a few steps on 64 random training and 32 test images: the point is
+the bookkeeping (files, resume exactness, interrupts, early stops, errors,
+torchrun), not accuracy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qsv_pyg.data import DeviceLoader
+from qsv_pyg.models import available_models
+from qsv_pyg.training import trainer
+from qsv_pyg.training.checkpoint import load_checkpoint
+from qsv_pyg.training.cli import config_from_args, main
+from qsv_pyg.training.config import PRESETS, ConfigError, TrainConfig, preset_config
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck"]
+N_TRAIN, N_TEST, BATCH = 64, 32, 16  # 4 steps per epoch
+
+# A QSV GraphNet small enough for a whole epoch to take milliseconds.
+TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg", "widths=[16,16]",
+            "--model-arg", "heads=2", "--model-arg", "k_cross=4", "--model-arg", "k_inner=4",
+            "--model-arg", "within_rounds=1", "--model-arg", "repulsion_k=4"]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def write_tiny_cifar10(root: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> None:
+    """CIFAR-10 "python version" layout with random images and balanced labels."""
+    rng = np.random.default_rng(0)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+
+    def dump(name: str, n: int) -> None:
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = [int(i % 10) for i in rng.permutation(n)]
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": data, b"labels": labels, b"filenames": [b"x.png"] * n}, f)
+
+    per_batch = np.array_split(np.arange(n_train), 5)
+    for i, part in enumerate(per_batch, start=1):
+        dump(f"data_batch_{i}", len(part))
+    dump("test_batch", n_test)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [c.encode() for c in CLASSES]}, f)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    write_tiny_cifar10(root)
+    return root
+
+
+def base_args(data_dir: Path, out: Path, *extra: str, model=("--model", "resnet20"),
+              epochs: int = 2) -> list:
+    return [*model, "--data-dir", str(data_dir), "--out-dir", str(out), "--epochs", str(epochs),
+            "--batch-size", str(BATCH), "--device", "cpu", "--no-progress", "--warmup-epochs", "1",
+            "--lr", "3e-3", *extra]
+
+
+def read_log(out: Path) -> list:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def untimed(lines: list) -> list:
+    return [{k: v for k, v in line.items() if k not in trainer.TIMING_FIELDS} for line in lines]
+
+
+def run_ok(args: list) -> None:
+    assert main(args) == 0
+
+
+@pytest.fixture(scope="module")
+def straight_qsv(data_dir, tmp_path_factory) -> Path:
+    """A tiny QSV run of two uninterrupted epochs, the reference for the resume tests."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run_ok(base_args(data_dir, out, model=TINY_QSV))
+    return out
+
+
+class CallCounter:
+    """Wraps a method; ``action(call_index)`` runs before every call (1-based)."""
+
+    def __init__(self, original, action):
+        self.original, self.action, self.calls = original, action, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        out = self.action(self.calls)
+        return self.original(*args, **kwargs) if out is None else out(self.original(*args, **kwargs))
+
+
+def patch_aux_loss(monkeypatch, model_cls, action) -> CallCounter:
+    """Make ``action`` run inside every training step (auxiliary_loss is called once per step)."""
+    counter = CallCounter(model_cls.auxiliary_loss, action)
+    monkeypatch.setattr(model_cls, "auxiliary_loss",
+                        lambda self, *a, **k: counter(self, *a, **k))
+    return counter
+
+
+def graph_net_cls():
+    from qsv_pyg.models import GraphNet
+    return GraphNet
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_json_round_trip_and_presets(tmp_path):
+    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior=0.1,
+                      model_args={"widths": (16, 16)})
+    back = TrainConfig.from_json(cfg.to_json())
+    assert back.to_dict() == cfg.to_dict() and back.model_args == {"widths": [16, 16]}
+    cfg.save(tmp_path / "c.json")
+    assert TrainConfig.load(tmp_path / "c.json").to_dict() == cfg.to_dict()
+    assert cfg.model_overrides() == {"routing": "abs", "learn_beta": False,
+                                     "beta_prior_weight": 0.1, "widths": (16, 16)}
+    for name in ("paper-qsv", "paper-attention-gat", "paper-attention-transformer",
+                 "paper-lattice", "paper-resnet20", "paper-qsv-routing-uniform"):
+        assert name in PRESETS
+    for name in PRESETS:
+        preset_config(name).validate()
+    with pytest.raises(ConfigError, match="unknown configuration key"):
+        TrainConfig.from_dict({"modle": "qsv"})
+
+
+def test_preset_then_explicit_flags():
+    cfg, resume = config_from_args({"config": "paper-qsv-routing-abs", "epochs": 3,
+                                    "routing": "uniform"})
+    assert resume is None
+    assert (cfg.model, cfg.epochs, cfg.routing, cfg.preset) == ("qsv", 3, "uniform",
+                                                               "paper-qsv-routing-abs")
+    assert cfg.lr == PRESETS["paper-qsv-routing-abs"]["lr"]
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_one_epoch_resnet20_writes_all_files(data_dir, tmp_path):
+    out = tmp_path / "run"
+    run_ok(base_args(data_dir, out, "--test-subset", "20", epochs=1))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.0 <= metrics["test_acc"] <= 1.0 and 0.0 <= metrics["train_acc"] <= 1.0
+    assert metrics["best_test_acc"] == metrics["test_acc"]
+    assert metrics["epochs"] == 1 and metrics["steps"] == N_TRAIN // BATCH
+    assert metrics["params"] == 269_722 and metrics["model"] == "resnet20"
+    assert metrics["dataset"] == "cifar10" and metrics["test_images"] == 20
+    assert metrics["optimizer_backend"] in ("riemannian", "projected")
+    assert metrics["stopped_early"] is False and metrics["seconds"] > 0
+    (line,) = read_log(out)
+    assert line["epoch"] == 1 and line["step"] == 4 and line["betas"] == {}
+    for key in ("train_loss", "train_acc", "test_loss", "test_acc", "lr", "seconds",
+                "images_per_s"):
+        assert isinstance(line[key], float), key
+    assert line["test_acc"] == metrics["test_acc"]
+    cfg = TrainConfig.load(out / "config.json")
+    assert (cfg.model, cfg.epochs, cfg.batch_size, cfg.out_dir) == ("resnet20", 1, BATCH, str(out))
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 0)
+    assert TrainConfig.from_dict(state["config"]).to_dict() == cfg.to_dict()
+    # Resuming a finished run only rewrites the metrics.
+    assert main(["--resume", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["test_acc"] == metrics["test_acc"]
+    assert len(read_log(out)) == 1
+
+
+def test_graph_model_logs_betas(straight_qsv):
+    lines = read_log(straight_qsv)
+    assert [line["epoch"] for line in lines] == [1, 2]
+    betas = lines[-1]["betas"]
+    assert betas and all(isinstance(v, list) and len(v) == 2 for v in betas.values())
+    metrics = json.loads((straight_qsv / "metrics.json").read_text())
+    assert metrics["model"] == "qsv" and metrics["betas"] == betas
+
+
+def test_resume_resnet20_matches_straight_run(data_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    run_ok(base_args(data_dir, straight))
+    # Stop after epoch 1 through the time budget (a fake clock), then resume.
+    steps = N_TRAIN // BATCH
+    clock = iter([0.0] * (steps + 1) + [1e9] * 1000)  # t_start + 4 step checks
+    monkeypatch.setattr(trainer, "_clock", lambda: next(clock))
+    resumed = tmp_path / "resumed"
+    run_ok(base_args(data_dir, resumed, "--time-budget", "1"))
+    state = load_checkpoint(resumed / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 0)
+    monkeypatch.undo()
+    run_ok(["--resume", "--out-dir", str(resumed), "--no-progress"])
+    assert untimed(read_log(resumed)) == untimed(read_log(straight))
+    a = json.loads((straight / "metrics.json").read_text())
+    b = json.loads((resumed / "metrics.json").read_text())
+    for key in ("test_acc", "test_loss", "train_acc", "train_loss", "best_test_acc", "steps"):
+        assert a[key] == b[key], key
+
+
+def test_time_budget_mid_epoch_then_resume_is_exact(data_dir, tmp_path, monkeypatch,
+                                                   straight_qsv):
+    out = tmp_path / "run"
+    clock = iter([0.0] * 7 + [1e9] * 1000)  # expires before the 7th step (epoch 2, batch 3)
+    monkeypatch.setattr(trainer, "_clock", lambda: next(clock))
+    run_ok(base_args(data_dir, out, "--time-budget", "5", model=TINY_QSV))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped_early"] is True and metrics["stop_reason"] == "time_budget"
+    assert metrics["epochs"] == 1 and metrics["steps"] == 6
+    assert 0.0 <= metrics["test_acc"] <= 1.0 and metrics["train_acc"] is not None
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 2)
+    monkeypatch.undo()
+    run_ok(["--resume", str(out / "checkpoint.pt"), "--no-progress"])
+    assert untimed(read_log(out)) == untimed(read_log(straight_qsv))
+    assert json.loads((out / "metrics.json").read_text())["stopped_early"] is False
+
+
+def test_real_time_budget_stops_cleanly(data_dir, tmp_path):
+    out = tmp_path / "run"
+    run_ok(base_args(data_dir, out, "--time-budget", "1e-7", model=TINY_QSV))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped_early"] is True and metrics["epochs"] == 0
+    assert metrics["steps"] == 0 and metrics["train_acc"] is None
+    assert 0.0 <= metrics["test_acc"] <= 1.0
+    assert (out / "checkpoint.pt").exists() and not (out / "log.jsonl").read_text()
+
+
+# --------------------------------------------------------------------------- interrupts
+
+
+def test_sigint_saves_mid_epoch_and_resume_matches(data_dir, tmp_path, monkeypatch, capsys,
+                                                   straight_qsv):
+    out = tmp_path / "run"
+
+    def ctrl_c(call):  # a real SIGINT in the middle of the 6th step
+        if call == 6:
+            signal.raise_signal(signal.SIGINT)
+
+    patch_aux_loss(monkeypatch, graph_net_cls(), ctrl_c)
+    assert main(base_args(data_dir, out, model=TINY_QSV)) == 130
+    assert "interrupted: saved" in capsys.readouterr().err
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 2)  # the 6th step completed first
+    assert len(read_log(out)) == 1 and not (out / "metrics.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    monkeypatch.undo()
+    run_ok(["--resume", "--out-dir", str(out), "--no-progress"])
+    assert untimed(read_log(out)) == untimed(read_log(straight_qsv))
+
+
+def test_keyboard_interrupt_between_steps_is_saved(data_dir, tmp_path, monkeypatch, capsys,
+                                                   straight_qsv):
+    out = tmp_path / "run"
+    original = DeviceLoader.epoch
+
+    def epoch(self, ep, start_batch=0):
+        for b, item in enumerate(original(self, ep, start_batch), start=start_batch):
+            if self.shuffle and ep == 1 and b == 1:  # training loader, second batch of epoch 2
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(DeviceLoader, "epoch", epoch)
+    assert main(base_args(data_dir, out, model=TINY_QSV)) == 130
+    assert "interrupted: saved" in capsys.readouterr().err
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 1)
+    monkeypatch.undo()
+    run_ok(["--resume", "--out-dir", str(out), "--no-progress"])
+    assert untimed(read_log(out)) == untimed(read_log(straight_qsv))
+
+
+def test_keyboard_interrupt_mid_step_keeps_last_checkpoint(data_dir, tmp_path, monkeypatch,
+                                                          capsys, straight_qsv):
+    out = tmp_path / "run"
+
+    def abort(call):
+        if call == 7:
+            raise KeyboardInterrupt
+
+    patch_aux_loss(monkeypatch, graph_net_cls(), abort)
+    assert main(base_args(data_dir, out, model=TINY_QSV)) == 130
+    assert "nothing new was saved" in capsys.readouterr().err
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 0)  # the end of epoch 1
+    monkeypatch.undo()
+    run_ok(["--resume", "--out-dir", str(out), "--no-progress"])
+    assert untimed(read_log(out)) == untimed(read_log(straight_qsv))
+
+
+def test_non_finite_loss_stops_and_keeps_good_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+
+    def poison(call):  # the 6th step (epoch 2, batch 2) gets a NaN loss
+        if call == 6:
+            return lambda aux: aux + float("nan")
+
+    patch_aux_loss(monkeypatch, graph_net_cls(), poison)
+    assert main(base_args(data_dir, out, model=TINY_QSV)) == 1
+    err = capsys.readouterr().err
+    assert "error: non-finite training loss (nan) at epoch 2, step 5 (batch 2/4)" in err
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 0)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert len(read_log(out)) == 1 and not (out / "metrics.json").exists()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--model", "resnet20", "--routing", "abs"], "--routing does not apply to model 'resnet20'"),
+    (["--model", "resnet20", "--frozen-field"], "--frozen-field does not apply"),
+    (["--model", "resnet20", "--lr", "-1"], "--lr must be > 0"),
+    (["--config", "paper-nope"], "unknown preset"),
+    (["--dataset", "cifar100", "--model", "resnet20"], "CIFAR-100 not found"),
+])
+def test_user_errors_exit_2(data_dir, tmp_path, capsys, args, message):
+    assert main([*args, "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_data_and_bad_values_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("QSV_DATA_DIR", raising=False)
+    assert main(["--model", "resnet20", "--data-dir", str(tmp_path / "none")]) == 2
+    assert "CIFAR-10 not found under" in capsys.readouterr().err
+    assert main(["--model", "resnet20"]) == 2
+    assert "no data directory given" in capsys.readouterr().err
+    assert main(["--model", "resnet20", "--epochs", "two"]) == 2  # argparse
+    assert "invalid int value" in capsys.readouterr().err
+    assert main(["--resume"]) == 2
+    assert "--resume without a path needs --out-dir" in capsys.readouterr().err
+
+
+def test_refuses_to_overwrite_or_change_a_run(straight_qsv, data_dir, capsys):
+    assert main(base_args(data_dir, straight_qsv, model=TINY_QSV)) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["--resume", str(straight_qsv), "--lr", "0.5"]) == 2
+    assert "cannot change --lr" in capsys.readouterr().err
+
+
+def test_console_script_subprocess_error(tmp_path):
+    """The example wrapper exits 2 without a traceback on a user error."""
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "train_cifar.py"),
+                           "--model", "resnet20", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: CIFAR-10 not found") and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_gloo(data_dir, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           str(REPO / "examples" / "train_cifar.py"),
+           *base_args(data_dir, out, "--batch-size", "8", "--routing", "uniform", model=TINY_QSV)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["epochs"] == 2
+    assert metrics["steps"] == 2 * (N_TRAIN // 2 // 8)  # every rank takes 32 images per epoch
+    assert 0.0 <= metrics["test_acc"] <= 1.0 and metrics["test_images"] == N_TEST
+    assert [line["epoch"] for line in read_log(out)] == [1, 2]  # rank 0 only, once per epoch
+    assert proc.stdout.count("done: test acc") == 1
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert state["world_size"] == 2 and len(state["rng"]) == 2
