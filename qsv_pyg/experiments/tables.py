@@ -1,0 +1,225 @@
+"""The paper's comparison tables as data: rows, their training switches, paper values.
+
+Two tables are defined:
+
+* :data:`CONTROLS`: QSV against its controls (parameter-matched attention, the
+  flat lattice, ResNet-20).
+* :data:`ABLATIONS`: QSV with one part of its kernel switched off or changed.
+
+A :class:`Row` names the registered model and the ablation switches of
+:class:`~qsv_pyg.training.config.TrainConfig` (``routing``, ``transport``,
+``frozen_field``, ``beta_init``, ``frozen_beta``, ...); :meth:`Row.flags` turns
+them into ``qsv-train`` command-line flags.
+
+The numbers the paper reports are kept in :class:`PaperValue` objects, a
+separate field of each row. They are reference values from full-scale training
+and are never merged with measured results: reports print them in their own
+"paper" column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from qsv_pyg.training.config import ABLATION_FLAGS
+
+__all__ = [
+    "ABLATIONS",
+    "CONTROLS",
+    "PAPER_SOURCE",
+    "PaperValue",
+    "Row",
+    "TABLES",
+    "Table",
+    "get_table",
+]
+
+#: How every paper value is labelled in reports.
+PAPER_SOURCE = "paper (reported CIFAR-10 test accuracy, full-scale training)"
+
+
+@dataclass(frozen=True)
+class PaperValue:
+    """A number reported in the paper for one row (CIFAR-10 test accuracy).
+
+    Attributes:
+        acc: reported test accuracy in percent, or ``None``.
+        delta: reported difference to the table's reference row in points, or ``None``.
+        approx: the paper gives the value only approximately ("≈").
+        note: caveat printed next to the value.
+    """
+
+    acc: Optional[float] = None
+    delta: Optional[float] = None
+    approx: bool = False
+    note: str = ""
+
+    @property
+    def empty(self) -> bool:
+        """Whether the paper reports nothing for this row."""
+        return self.acc is None and self.delta is None
+
+    def text(self, reference: bool = False) -> str:
+        """Short cell text, e.g. ``"85.9"``, ``"≈93.2"``, ``"Δ ≈ −4"``, ``"ref"``, ``"—"``."""
+        if reference and self.acc is None:
+            return "ref"
+        tilde = "≈" if self.approx else ""
+        if self.acc is not None:
+            return f"{tilde}{self.acc:.1f}"
+        if self.delta is not None:
+            sign = "−" if self.delta < 0 else "+" if self.delta > 0 else ""
+            return f"Δ {tilde + ' ' if tilde else ''}{sign}{abs(self.delta):g}"
+        return "—"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: a model and the switches that make it a variant.
+
+    Attributes:
+        slug: short identifier, also the run folder name (``<root>/<table>/<slug>``).
+        label: human-readable row label of the table.
+        model: registered model name (see :func:`qsv_pyg.models.available_models`).
+        switches: ablation fields of :class:`~qsv_pyg.training.config.TrainConfig`
+            (keys of :data:`~qsv_pyg.training.config.ABLATION_FLAGS`) and their values.
+        paper: what the paper reports for the row.
+    """
+
+    slug: str
+    label: str
+    model: str
+    switches: Mapping[str, Any] = field(default_factory=dict)
+    paper: PaperValue = PaperValue()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.switches) - set(ABLATION_FLAGS))
+        if unknown:
+            raise ValueError(f"row {self.slug!r}: unknown switch(es) {unknown}; known: "
+                             f"{sorted(ABLATION_FLAGS)}")
+
+    def flags(self) -> List[str]:
+        """The switches as ``qsv-train`` flags, e.g. ``["--routing", "uniform"]``."""
+        out: List[str] = []
+        for name, value in self.switches.items():
+            flag = ABLATION_FLAGS[name][0]
+            if isinstance(value, bool):
+                # Boolean switches are BooleanOptionalAction flags.
+                out.append(flag if value else "--no-" + flag[2:])
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def describe(self) -> str:
+        """The switches as text, e.g. ``"routing=uniform, transport=identity"``."""
+        return ", ".join(f"{k}={v}" for k, v in self.switches.items()) or "(defaults)"
+
+
+@dataclass(frozen=True)
+class Table:
+    """An ordered set of rows with a reference row for the Δ column.
+
+    Attributes:
+        name: table identifier (``"controls"``, ``"ablations"``), also its folder name.
+        title: heading of the report.
+        rows: the rows, in report order.
+        reference: slug of the row every Δ is measured against.
+    """
+
+    name: str
+    title: str
+    rows: Tuple[Row, ...]
+    reference: str
+
+    def __post_init__(self) -> None:
+        slugs = [r.slug for r in self.rows]
+        if len(set(slugs)) != len(slugs):
+            raise ValueError(f"table {self.name!r} has duplicate row slugs: {slugs}")
+        if self.reference not in slugs:
+            raise ValueError(f"table {self.name!r}: reference {self.reference!r} is not a row")
+
+    @property
+    def slugs(self) -> List[str]:
+        """Row slugs in table order."""
+        return [r.slug for r in self.rows]
+
+    def row(self, slug: str) -> Row:
+        """The row called ``slug``.
+
+        Raises:
+            KeyError: naming the valid slugs.
+        """
+        for r in self.rows:
+            if r.slug == slug:
+                return r
+        raise KeyError(f"table {self.name!r} has no row {slug!r}; rows: {', '.join(self.slugs)}")
+
+    def select(self, slugs: Optional[Iterable[str]]) -> List[Row]:
+        """The rows named in ``slugs`` in table order (all rows for ``None``).
+
+        Raises:
+            KeyError: an unknown slug, naming the valid ones.
+        """
+        if slugs is None:
+            return list(self.rows)
+        wanted = list(dict.fromkeys(slugs))
+        unknown = [s for s in wanted if s not in self.slugs]
+        if unknown:
+            raise KeyError(f"table {self.name!r} has no row(s) {', '.join(map(repr, unknown))}; "
+                           f"rows: {', '.join(self.slugs)}")
+        return [r for r in self.rows if r.slug in wanted]
+
+
+_MATCHED_NOTE = "the paper reports one matched-attention number"
+
+#: QSV against its controls; Δ is measured from the QSV row.
+CONTROLS = Table(
+    name="controls",
+    title="QSV and its controls (CIFAR-10)",
+    reference="qsv",
+    rows=(
+        Row("qsv", "QSV", "qsv", paper=PaperValue(acc=85.9)),
+        Row("attention-gat", "Matched attention (GAT)", "attention-gat",
+            paper=PaperValue(acc=87.3, note=_MATCHED_NOTE)),
+        Row("attention-transformer", "Matched attention (Transformer)", "attention-transformer",
+            paper=PaperValue(acc=87.3, note=_MATCHED_NOTE)),
+        Row("lattice", "Flat lattice", "lattice", paper=PaperValue(acc=91.1)),
+        Row("resnet20", "ResNet-20", "resnet20", paper=PaperValue(acc=93.2, approx=True)),
+    ),
+)
+
+#: QSV kernel ablations; Δ is measured from the full kernel. The paper gives only
+#: differences for two of them (transport → identity ≈ −4 points, uniform ≈ 0).
+ABLATIONS = Table(
+    name="ablations",
+    title="QSV kernel ablations (CIFAR-10)",
+    reference="full",
+    rows=(
+        Row("full", "Full kernel", "qsv"),
+        Row("transport-identity", "Transport → identity", "qsv",
+            {"transport": "identity"}, PaperValue(delta=-4.0, approx=True)),
+        Row("routing-uniform", "Routing → uniform", "qsv",
+            {"routing": "uniform"}, PaperValue(delta=0.0, approx=True)),
+        Row("routing-abs", "|Re r| routing", "qsv", {"routing": "abs"}),
+        Row("routing-geometric", "Geometric routing", "qsv", {"routing": "geometric"}),
+        Row("both-off", "Both off (uniform + identity)", "qsv",
+            {"routing": "uniform", "transport": "identity"}),
+        Row("frozen-field", "Frozen field", "qsv", {"frozen_field": True}),
+        Row("beta-warm5", "β warm-start 5", "qsv", {"beta_init": 5.0}),
+        Row("beta-frozen5", "Frozen β = 5", "qsv", {"beta_init": 5.0, "frozen_beta": True}),
+    ),
+)
+
+#: Every table by name.
+TABLES: Dict[str, Table] = {t.name: t for t in (CONTROLS, ABLATIONS)}
+
+
+def get_table(name: str) -> Table:
+    """The table called ``name``.
+
+    Raises:
+        KeyError: naming the valid tables.
+    """
+    try:
+        return TABLES[name]
+    except KeyError:
+        raise KeyError(f"unknown table {name!r}; choose one of {', '.join(TABLES)}") from None
