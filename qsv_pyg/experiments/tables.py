@@ -60,7 +60,7 @@ class PaperValue:
         return self.acc is None and self.delta is None
 
     def text(self, reference: bool = False) -> str:
-        """Short cell text, e.g. ``"85.9"``, ``"≈93.2"``, ``"Δ ≈ −4"``, ``"ref"``, ``"—"``."""
+        """Short cell text: ``"85.9"``, ``"≈93.2"``, ``"Δ ≈ −4"``, ``"ref"`` or ``"—"``."""
         if reference and self.acc is None:
             return "ref"
         tilde = "≈" if self.approx else ""

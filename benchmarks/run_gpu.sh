@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One short GPU measurement (< 5 minutes on an H100/H200): both benchmarks plus a
+# timed synthetic CIFAR-sized training epoch of the QSV model, all written as JSON
+# to ${OUT:-benchmarks/out}. Usage (from the repo root, after `bash .ci/install`):
+#     bash benchmarks/run_gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-benchmarks/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python benchmarks/bench_conv.py --device cuda --sizes 4096 16384 65536 --ks 16 \
+    --repeats 20 --min-time 0.2 --out "$out/bench_conv_gpu.json" --plot "$out/bench_conv_gpu.png"
+python benchmarks/bench_train.py --device cuda --batch-size 256 --amp bf16 \
+    --repeats 20 --out "$out/bench_train_gpu_bf16.json"
+python benchmarks/bench_train.py --device cuda --batch-size 256 --amp none --no-stages \
+    --repeats 20 --out "$out/bench_train_gpu_fp32.json"
+python benchmarks/bench_epoch.py --device cuda --batch-size 256 --amp bf16 \
+    --out "$out/bench_epoch_gpu.json"

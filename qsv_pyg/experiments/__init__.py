@@ -1,0 +1,15 @@
+"""Reproduce the paper's tables: definitions, a resumable runner, and the report.
+
+* :mod:`~qsv_pyg.experiments.tables`: the rows of the controls and ablations
+  tables and the numbers the paper reports (kept apart from measured ones).
+* :mod:`~qsv_pyg.experiments.runner`: trains every row × seed under one
+  wall-clock budget, reusing finished runs and resuming interrupted ones.
+* :mod:`~qsv_pyg.experiments.report`: ``table.md``, ``table.csv``,
+  ``results.json``, ``accuracy.png`` and ``beta_probe.png`` from the runs.
+
+Command line: ``python examples/reproduce.py --help``.
+"""
+from .tables import ABLATIONS, CONTROLS, PAPER_SOURCE, TABLES, PaperValue, Row, Table, get_table
+
+__all__ = ["ABLATIONS", "CONTROLS", "PAPER_SOURCE", "TABLES", "PaperValue", "Row", "Table",
+           "get_table"]

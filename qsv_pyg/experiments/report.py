@@ -1,0 +1,536 @@
+"""Report of a finished table: markdown, CSV, JSON and two figures.
+
+:func:`write_report` reads the run folders of one table (see
+:func:`qsv_pyg.experiments.runner.run_dir`) and writes into ``<root>/<table>/``:
+
+* ``table.md`` and ``table.csv``: the paper's layout: variant, parameters, test
+  accuracy (mean ± sample standard deviation over seeds, in %), Δ from the
+  reference row (QSV / full kernel), epochs done, and the paper's reported value
+  in a separate, labelled column.
+* ``results.json``: the same with every seed's numbers and the settings.
+* ``accuracy.png``: accuracy per variant: bars at the mean, error bars of one
+  standard deviation, one dot per seed (paper values as separate markers).
+* ``beta_probe.png``: the routing-temperature probe: β over the epochs
+  (``log.jsonl``), one panel per layer group: each cross-shell layer
+  (``cross0``, ``cross1``, ...) on its own, all within-shell rounds
+  (``within*``) together. Per variant, a line at the mean over heads (and
+  seeds, and within rounds) with a band from the smallest to the largest head.
+
+Only runs with a ``metrics.json`` count; missing, incomplete and failed runs
+are listed in the notes. Measured numbers come only from the run folders; the
+paper's numbers only from :mod:`qsv_pyg.experiments.tables`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import statistics
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from qsv_pyg.training.trainer import CHECKPOINT_NAME, CONFIG_NAME, LOG_NAME, METRICS_NAME
+
+from .runner import RUNNER_NAME, run_dir
+from .tables import PAPER_SOURCE, Row, Table
+
+__all__ = ["REPORT_FILES", "collect", "format_markdown", "plot_accuracy", "plot_beta_probe",
+           "write_report"]
+
+#: Files :func:`write_report` writes into the table folder.
+REPORT_FILES = ("table.md", "table.csv", "results.json", "accuracy.png", "beta_probe.png")
+
+# Settings that should be equal across the runs of one table for a fair comparison.
+_SHARED_SETTINGS = ("dataset", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
+                    "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget")
+
+
+# ============================================================================ collect
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_log(path: Path) -> List[Dict[str, Any]]:
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn last line of a killed run
+    except OSError:
+        pass
+    return records
+
+
+def _seeds_on_disk(folder: Path) -> List[int]:
+    found = []
+    for p in folder.glob("seed*"):
+        if p.is_dir() and p.name[4:].isdigit():
+            found.append(int(p.name[4:]))
+    return sorted(found)
+
+
+def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
+    folder = run_dir(root, table.name, row.slug, seed)
+    metrics = _read_json(folder / METRICS_NAME)
+    config = _read_json(folder / CONFIG_NAME) or {}
+    record = _read_json(folder / RUNNER_NAME) or {}
+    launches = record.get("launches") or []
+    last_rc = launches[-1].get("exit_code") if launches else None
+    if metrics is not None:
+        status = "done"
+    elif last_rc not in (None, 0, 130):
+        status = f"failed (exit {last_rc})"
+    elif (folder / CHECKPOINT_NAME).is_file():
+        status = "incomplete"
+    else:
+        status = "missing"
+    info: Dict[str, Any] = {"seed": seed, "out_dir": str(folder), "status": status}
+    if metrics is not None:
+        info.update({
+            "test_acc": 100.0 * metrics["test_acc"],
+            "best_test_acc": (100.0 * metrics["best_test_acc"]
+                              if metrics.get("best_test_acc") is not None else None),
+            "train_acc": (100.0 * metrics["train_acc"]
+                          if metrics.get("train_acc") is not None else None),
+            "params": metrics.get("params"), "epochs": metrics.get("epochs"),
+            "epochs_planned": metrics.get("epochs_planned"),
+            "stopped_early": bool(metrics.get("stopped_early")),
+            "seconds": metrics.get("seconds"), "device": metrics.get("device"),
+        })
+        budget = record.get("time_budget", config.get("time_budget"))
+        info["settings"] = {k: config.get(k) for k in _SHARED_SETTINGS}
+        info["settings"]["time_budget"] = budget
+        info["model_args"] = config.get("model_args", {})
+        info["betas"] = [(rec["epoch"], rec.get("betas") or {})
+                         for rec in _read_log(folder / LOG_NAME) if "epoch" in rec]
+    return info
+
+
+def _stats(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
+    if not values:
+        return None, None
+    mean = statistics.fmean(values)
+    # Sample standard deviation: the seeds are a sample of training outcomes.
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = None,
+            seeds: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Gather the measured results of ``table`` from its run folders.
+
+    Args:
+        table: the table.
+        root: output root of the runner.
+        rows: row slugs to include (``None``: all), in table order.
+        seeds: seeds to include (``None``: every ``seed<k>`` folder on disk).
+
+    Returns:
+        A JSON-serialisable summary (the contents of ``results.json``, plus
+        per-run β histories under the private key ``_betas``).
+    """
+    root = Path(root)
+    selected = table.select(rows)
+    summary_rows, warnings = [], []
+    by_slug: Dict[str, Dict[str, Any]] = {}
+    for row in selected:
+        row_seeds = list(seeds) if seeds is not None else _seeds_on_disk(
+            root / table.name / row.slug)
+        runs = [_run_info(root, table, row, s) for s in row_seeds]
+        done = [r for r in runs if r["status"] == "done"]
+        accs = [r["test_acc"] for r in done]
+        mean, std = _stats(accs)
+        params = sorted({r["params"] for r in done if r["params"] is not None})
+        entry = {
+            "slug": row.slug, "label": row.label, "model": row.model,
+            "switches": dict(row.switches),
+            "measured": {
+                "n": len(done), "seeds": [r["seed"] for r in done],
+                "test_acc_mean": mean, "test_acc_std": std, "delta": None,
+                "test_acc_per_seed": accs,
+                "best_test_acc_mean": _stats([r["best_test_acc"] for r in done
+                                              if r["best_test_acc"] is not None])[0],
+                "params": params[0] if len(params) == 1 else (params or None),
+                "epochs_done": [r["epochs"] for r in done],
+                "epochs_planned": sorted({r["epochs_planned"] for r in done}),
+                "n_stopped_by_budget": sum(r["stopped_early"] for r in done),
+                "runs": [{k: v for k, v in r.items() if k != "betas"} for r in runs],
+            },
+            "paper": {"acc": row.paper.acc, "delta": row.paper.delta,
+                      "approx": row.paper.approx, "note": row.paper.note,
+                      "text": row.paper.text(reference=row.slug == table.reference)},
+            "_betas": [(r["seed"], r["betas"]) for r in done if r.get("betas")],
+        }
+        for r in runs:
+            if r["status"] != "done":
+                warnings.append(f"{row.slug}/seed{r['seed']}: {r['status']}")
+        summary_rows.append(entry)
+        by_slug[row.slug] = entry
+
+    ref = by_slug.get(table.reference)
+    ref_mean = ref["measured"]["test_acc_mean"] if ref else None
+    for entry in summary_rows:
+        m = entry["measured"]
+        if ref_mean is not None and m["test_acc_mean"] is not None:
+            m["delta"] = m["test_acc_mean"] - ref_mean
+
+    settings: Dict[str, Any] = {}
+    for key in _SHARED_SETTINGS:
+        values = {json.dumps(r["settings"][key]) for e in summary_rows
+                  for r in e["measured"]["runs"] if "settings" in r}
+        if len(values) == 1:
+            settings[key] = json.loads(values.pop())
+        elif len(values) > 1:
+            settings[key] = sorted(json.loads(v) for v in values if v != "null") or None
+            warnings.append(f"runs differ in {key}: {sorted(values)}")
+    devices = sorted({r["device"] for e in summary_rows for r in e["measured"]["runs"]
+                      if r.get("device")})
+    if devices:
+        settings["device"] = devices[0] if len(devices) == 1 else devices
+    model_args: Dict[str, Any] = {}
+    for e in summary_rows:
+        for r in e["measured"]["runs"]:
+            if r.get("model_args"):
+                model_args.setdefault(e["model"], r["model_args"])
+    if model_args:
+        settings["model_args"] = model_args
+    counts = [p for e in summary_rows for p in ([e["measured"]["params"]]
+              if not isinstance(e["measured"]["params"], list) else e["measured"]["params"])
+              if p]
+    if counts and max(counts) > 1.5 * min(counts):
+        # E.g. a CPU-scale study shrinks the graph models but not ResNet-20.
+        warnings.append(f"parameter counts range from {min(counts):,} to {max(counts):,}: "
+                        "the rows are not parameter-matched at this scale")
+    all_seeds = sorted({r["seed"] for e in summary_rows for r in e["measured"]["runs"]})
+    return {
+        "table": table.name, "title": table.title, "reference": table.reference,
+        "generated": datetime.now().isoformat(timespec="seconds"), "root": str(root),
+        "seeds": all_seeds, "settings": settings,
+        "statistics": "mean and sample standard deviation (n-1) over seeds; accuracies in %; "
+                      "delta = difference of means from the reference row, in points",
+        "paper_source": PAPER_SOURCE, "rows": summary_rows, "warnings": warnings,
+    }
+
+
+# ============================================================================ text
+
+
+def _fmt_params(params: Any) -> str:
+    if params is None:
+        return "—"
+    if isinstance(params, list):
+        return "–".join(_fmt_params(p) for p in (params[0], params[-1]))
+    return f"{params / 1e6:.3f}M" if params >= 100_000 else f"{params:,}"
+
+
+def _fmt_acc(mean: Optional[float], std: Optional[float]) -> str:
+    if mean is None:
+        return "—"
+    return f"{mean:.2f} ± {std:.2f}" if std is not None else f"{mean:.2f}"
+
+
+def _fmt_delta(entry: Dict[str, Any], reference: str) -> str:
+    if entry["slug"] == reference:
+        return "ref" if entry["measured"]["n"] else "—"
+    delta = entry["measured"]["delta"]
+    if delta is None:
+        return "—"
+    return f"{'−' if delta < 0 else '+'}{abs(delta):.2f}"
+
+
+def _fmt_epochs(m: Dict[str, Any]) -> str:
+    done = m["epochs_done"]
+    if not done:
+        return "—"
+    lo, hi = min(done), max(done)
+    text = str(lo) if lo == hi else f"{lo}–{hi}"
+    planned = m["epochs_planned"]
+    if planned:
+        text += "/" + ",".join(map(str, planned))
+    if m["n_stopped_by_budget"]:
+        text += f" (budget: {m['n_stopped_by_budget']}/{m['n']})"
+    return text
+
+
+def _settings_line(summary: Dict[str, Any]) -> str:
+    s = summary["settings"]
+    parts = []
+    if s.get("time_budget") is not None:
+        parts.append(f"budget {s['time_budget']} min per run")
+    for key, label in (("epochs", "epochs planned"), ("batch_size", "batch"), ("lr", "lr"),
+                       ("subset", "train subset"), ("test_subset", "test subset"),
+                       ("dataset", "dataset"), ("device", "device")):
+        if s.get(key) is not None:
+            parts.append(f"{label} {s[key]}")
+    return ", ".join(parts) if parts else "no finished runs"
+
+
+def _model_args_lines(summary: Dict[str, Any]) -> List[str]:
+    """The model keywords (sizes) of each model, as a paragraph; none when all defaults."""
+    model_args = summary["settings"].get("model_args")
+    if not model_args:
+        return []
+    text = "; ".join(f"{model} {json.dumps(kw, separators=(',', ':'))}"
+                     for model, kw in model_args.items())
+    return [f"Model keywords (sizes): {text}.", ""]
+
+
+def format_markdown(summary: Dict[str, Any]) -> str:
+    """The ``table.md`` text of a :func:`collect` summary."""
+    ref_label = next((e["label"] for e in summary["rows"] if e["slug"] == summary["reference"]),
+                     summary["reference"])
+    lines = [
+        f"# {summary['title']}",
+        "",
+        f"Measured here: seeds {summary['seeds'] or '—'}; {_settings_line(summary)}. "
+        f"Test accuracy is the mean ± sample std over seeds (%); Δ is the difference of means "
+        f"from \"{ref_label}\" in points; epochs are those finished (of those planned).",
+        "",
+        f"Last column, \"Paper (reported)\": {PAPER_SOURCE}; reference values only, "
+        "not results of these runs.",
+        "",
+        *_model_args_lines(summary),
+        "| Variant | Model | Params | Seeds | Test acc. (%) | Δ (pts) | Epochs | "
+        "Paper (reported) |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
+    ]
+    notes: Dict[str, List[str]] = {}  # note -> labels of the rows it applies to
+    for e in summary["rows"]:
+        m = e["measured"]
+        paper = e["paper"]["text"]
+        if e["paper"]["note"]:
+            notes.setdefault(e["paper"]["note"], []).append(e["label"])
+            paper += "¹"
+        label = e["label"].replace("|", "\\|")  # a literal "|" would split the cell
+        lines.append(f"| {label} | {e['model']} | {_fmt_params(m['params'])} | {m['n']} | "
+                     f"{_fmt_acc(m['test_acc_mean'], m['test_acc_std'])} | "
+                     f"{_fmt_delta(e, summary['reference'])} | {_fmt_epochs(m)} | {paper} |")
+    if notes:
+        lines += ["", "¹ Paper column: " + " ".join(f"{', '.join(labels)}: {note}."
+                                                    for note, labels in notes.items())]
+    if any(e["paper"]["approx"] for e in summary["rows"]):
+        lines += ["", "≈: the paper gives this value only approximately."]
+    if any(e["measured"]["n_stopped_by_budget"] for e in summary["rows"]):
+        lines += ["", "\"budget\": runs stopped by the wall-clock budget before their "
+                      "planned epochs (count of seeds)."]
+    if summary["warnings"]:
+        lines += ["", "Warnings:", ""] + [f"- {w}" for w in summary["warnings"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_CSV_FIELDS = ("slug", "label", "model", "switches", "params", "n_seeds", "seeds",
+               "test_acc_mean_pct", "test_acc_std_pct", "delta_pts", "test_acc_per_seed_pct",
+               "best_test_acc_mean_pct", "epochs_done_min", "epochs_done_max", "epochs_planned",
+               "n_stopped_by_budget", "paper_acc_pct", "paper_delta_pts", "paper_approx",
+               "paper_note")
+
+
+def _csv_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    out = []
+    for e in summary["rows"]:
+        m, p = e["measured"], e["paper"]
+        out.append({
+            "slug": e["slug"], "label": e["label"], "model": e["model"],
+            "switches": ";".join(f"{k}={v}" for k, v in e["switches"].items()),
+            "params": m["params"] if not isinstance(m["params"], list)
+            else ";".join(map(str, m["params"])),
+            "n_seeds": m["n"], "seeds": ";".join(map(str, m["seeds"])),
+            "test_acc_mean_pct": _round(m["test_acc_mean"]),
+            "test_acc_std_pct": _round(m["test_acc_std"]),
+            "delta_pts": _round(m["delta"]),
+            "test_acc_per_seed_pct": ";".join(f"{a:.4f}" for a in m["test_acc_per_seed"]),
+            "best_test_acc_mean_pct": _round(m["best_test_acc_mean"]),
+            "epochs_done_min": min(m["epochs_done"]) if m["epochs_done"] else None,
+            "epochs_done_max": max(m["epochs_done"]) if m["epochs_done"] else None,
+            "epochs_planned": ";".join(map(str, m["epochs_planned"])),
+            "n_stopped_by_budget": m["n_stopped_by_budget"],
+            "paper_acc_pct": p["acc"], "paper_delta_pts": p["delta"],
+            "paper_approx": p["approx"], "paper_note": p["note"],
+        })
+    return out
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 4)
+
+
+# ============================================================================ figures
+
+
+def _figure(width: float, height: float):
+    # A bare Figure renders through Agg without touching pyplot's global backend.
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _colors(n: int) -> List[Any]:
+    from matplotlib import colormaps
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def plot_accuracy(summary: Dict[str, Any], path: "str | Path") -> None:
+    """Bars of the mean test accuracy per variant, ±1 std, seed dots, paper markers."""
+    rows = summary["rows"]
+    fig = _figure(max(6.0, 1.2 * len(rows) + 2.0), 4.6)
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    colors = _colors(len(rows))  # same colour per row as in the β probe
+    paper_shown = seeds_shown = False
+    for x, e, color in zip(xs, rows, colors):
+        m = e["measured"]
+        if m["test_acc_mean"] is None:
+            ax.text(x, 0.5, "no runs", ha="center", va="bottom", rotation=90, fontsize=8,
+                    color="0.4")
+            continue
+        ax.bar(x, m["test_acc_mean"], width=0.6, color=color, alpha=0.55,
+               yerr=m["test_acc_std"] or 0.0, capsize=4, error_kw={"elinewidth": 1})
+        n = len(m["test_acc_per_seed"])
+        # Small deterministic jitter keeps equal seed values visible side by side.
+        offsets = [0.0] if n == 1 else [-0.15 + 0.3 * i / (n - 1) for i in range(n)]
+        ax.scatter([x + o for o in offsets], m["test_acc_per_seed"], s=18, color="black",
+                   zorder=3, label=None if seeds_shown else "seeds (measured)")
+        seeds_shown = True
+        if e["paper"]["acc"] is not None:
+            ax.scatter([x], [e["paper"]["acc"]], marker="D", s=36, facecolors="none",
+                       edgecolors="crimson", zorder=4,
+                       label=None if paper_shown else "paper (reported, full scale)")
+            paper_shown = True
+    for x, e in zip(xs, rows):
+        if e["paper"]["acc"] is None and e["paper"]["delta"] is not None:
+            ax.annotate(f"paper: {e['paper']['text']}", (x, 0), xytext=(0, 4),
+                        textcoords="offset points", ha="center", fontsize=7, color="crimson")
+    ref = next((e for e in rows if e["slug"] == summary["reference"]), None)
+    if ref is not None and ref["measured"]["test_acc_mean"] is not None:
+        ax.axhline(ref["measured"]["test_acc_mean"], color="0.3", lw=0.8, ls=":",
+                   label=f"{ref['label']} (measured mean)")
+    ax.set_xticks(xs, [e["label"] for e in rows], rotation=25, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{summary['title']}: measured, mean ± std over seeds")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=120)
+
+
+def _group_of(layer: str) -> str:
+    """Panel of a QSV layer: ``cross<k>`` alone, every ``within<k>`` together."""
+    if re.fullmatch(r"within\d*", layer):
+        return "within"
+    return layer
+
+
+def _group_order(group: str) -> Tuple[int, int, str]:
+    m = re.fullmatch(r"cross(\d+)", group)
+    if m:
+        return (0, int(m.group(1)), group)
+    return (1 if group == "within" else 2, 0, group)
+
+
+def beta_series(entry: Dict[str, Any]) -> Dict[str, Dict[int, List[float]]]:
+    """β values of one variant: group → epoch → every head value (all seeds, all layers)."""
+    series: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
+    for _seed, history in entry.get("_betas", []):
+        for epoch, betas in history:
+            for layer, heads in betas.items():
+                values = heads if isinstance(heads, list) else [heads]
+                series[_group_of(layer)][int(epoch)].extend(float(v) for v in values)
+    return series
+
+
+def plot_beta_probe(summary: Dict[str, Any], path: "str | Path") -> None:
+    """The routing-temperature probe: β per head over training, one panel per layer group."""
+    # Colours follow the row order of the table, as in the accuracy figure.
+    row_colors = dict(zip([e["slug"] for e in summary["rows"]], _colors(len(summary["rows"]))))
+    variants = [(e, beta_series(e)) for e in summary["rows"]]
+    variants = [(e, s) for e, s in variants if s]
+    groups = sorted({g for _, s in variants for g in s}, key=_group_order)
+    if not groups:
+        fig = _figure(6.0, 3.0)
+        ax = fig.add_subplot()
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no routing temperatures logged\n(no finished epochs of a QSV row)",
+                ha="center", va="center")
+        fig.savefig(path, dpi=120)
+        return
+    from matplotlib.ticker import MaxNLocator
+    ncols = min(3, len(groups))
+    nrows = math.ceil(len(groups) / ncols)
+    fig = _figure(4.2 * ncols, 3.2 * nrows + 0.6)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
+    for i, group in enumerate(groups):
+        ax = axes[i // ncols][i % ncols]
+        for entry, series in variants:
+            per_epoch = series.get(group)
+            if not per_epoch:
+                continue
+            epochs = sorted(per_epoch)
+            mean = [statistics.fmean(per_epoch[t]) for t in epochs]
+            lo = [min(per_epoch[t]) for t in epochs]
+            hi = [max(per_epoch[t]) for t in epochs]
+            color = row_colors[entry["slug"]]
+            ax.plot(epochs, mean, color=color, lw=1.5, marker="o" if len(epochs) < 3 else None,
+                    ms=3, label=entry["label"])
+            ax.fill_between(epochs, lo, hi, color=color, alpha=0.18, lw=0)
+        ax.set_title(f"{group} (all rounds)" if group == "within" else group, fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("β")
+        ax.grid(alpha=0.3)
+    for j in range(len(groups), nrows * ncols):
+        axes[j // ncols][j % ncols].axis("off")
+    seen: Dict[str, Any] = {}  # one legend entry per variant, from whichever panel has it
+    for row in axes:
+        for ax in row:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
+               ncols=min(4, len(seen)), fontsize=8)
+    fig.suptitle("Routing temperature β per head: mean (line), min–max over heads (band)",
+                 fontsize=11)
+    fig.savefig(path, dpi=120)
+
+
+# ============================================================================ write
+
+
+def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = None,
+                 seeds: Optional[Sequence[int]] = None) -> Dict[str, Path]:
+    """Write every report file of ``table`` into ``<root>/<table>/``.
+
+    Args:
+        table: the table.
+        root: output root of the runner.
+        rows: row slugs to include (``None``: all).
+        seeds: seeds to include (``None``: every seed folder on disk).
+
+    Returns:
+        File name (see :data:`REPORT_FILES`) → path written.
+    """
+    summary = collect(table, root, rows, seeds)
+    folder = Path(root) / table.name
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {name: folder / name for name in REPORT_FILES}
+    paths["table.md"].write_text(format_markdown(summary), encoding="utf-8")
+    with open(paths["table.csv"], "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(_csv_rows(summary))
+    public = dict(summary, rows=[{k: v for k, v in e.items() if not k.startswith("_")}
+                                 for e in summary["rows"]])
+    paths["results.json"].write_text(json.dumps(public, indent=2) + "\n", encoding="utf-8")
+    plot_accuracy(summary, paths["accuracy.png"])
+    plot_beta_probe(summary, paths["beta_probe.png"])
+    return paths

@@ -1,0 +1,226 @@
+"""Table runner and report on a tiny CIFAR-10 layout (CPU, a few seconds per run).
+
+The runs train for one epoch on 40 random images: the point is the bookkeeping
+(run folders, reuse, resume, configuration checks, report files, errors), not
+accuracy.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qsv_pyg.experiments import ABLATIONS, CONTROLS, PaperValue, get_table
+from qsv_pyg.experiments import runner
+from qsv_pyg.experiments.report import REPORT_FILES
+from qsv_pyg.experiments.runner import ExperimentError, main, model_overrides_for, run_dir
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck"]
+
+# Graph models small enough for an epoch to take well under a second.
+TINY = {"shell_sizes": [16, 4], "widths": [8, 8], "heads": 2, "k_cross": 4, "k_inner": 3,
+        "within_rounds": 1, "repulsion_k": 3}
+
+
+def write_tiny_cifar10(root: Path, n_train: int = 40, n_test: int = 20) -> None:
+    """CIFAR-10 "python version" layout with random images and balanced labels."""
+    rng = np.random.default_rng(0)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+
+    def dump(name: str, n: int) -> None:
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = [int(i % 10) for i in rng.permutation(n)]
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": data, b"labels": labels, b"filenames": [b"x.png"] * n}, f)
+
+    for i, part in enumerate(np.array_split(np.arange(n_train), 5), start=1):
+        dump(f"data_batch_{i}", len(part))
+    dump("test_batch", n_test)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [c.encode() for c in CLASSES]}, f)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    write_tiny_cifar10(root)
+    return root
+
+
+def args(table: str, data_dir: Path, root: Path, *extra: str, budget: str = "1",
+         overrides=TINY) -> list:
+    return ["--table", table, "--data-dir", str(data_dir), "--out-root", str(root),
+            "--budget-minutes", budget, "--seeds", "0", "--epochs", "1", "--batch-size", "8",
+            "--device", "cpu", "--no-progress", "--model-overrides", json.dumps(overrides),
+            "--train-args", "--warmup-epochs 0", *extra]
+
+
+def assert_report(folder: Path, labels) -> dict:
+    for name in REPORT_FILES:
+        assert (folder / name).is_file() and (folder / name).stat().st_size > 0, name
+    md = (folder / "table.md").read_text()
+    for label in labels:
+        assert label.replace("|", "\\|") in md
+    with open(folder / "table.csv", newline="") as f:
+        assert [r["label"] for r in csv.DictReader(f)] == list(labels)
+    results = json.loads((folder / "results.json").read_text())
+    assert [r["label"] for r in results["rows"]] == list(labels)
+    return results
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_tables_define_the_paper_rows():
+    assert CONTROLS.slugs == ["qsv", "attention-gat", "attention-transformer", "lattice",
+                              "resnet20"]
+    assert len(ABLATIONS.rows) == 9 and ABLATIONS.reference == "full"
+    assert ABLATIONS.row("both-off").flags() == ["--routing", "uniform",
+                                                 "--transport", "identity"]
+    assert ABLATIONS.row("beta-frozen5").flags() == ["--beta-init", "5.0", "--frozen-beta"]
+    assert ABLATIONS.row("frozen-field").flags() == ["--frozen-field"]
+    # Paper values live in their own field, with their own formatting.
+    assert CONTROLS.row("qsv").paper == PaperValue(acc=85.9)
+    assert CONTROLS.row("resnet20").paper.text() == "≈93.2"
+    assert ABLATIONS.row("transport-identity").paper.text() == "Δ ≈ −4"
+    assert ABLATIONS.row("routing-uniform").paper.text() == "Δ ≈ 0"
+    with pytest.raises(KeyError, match="rows: full"):
+        ABLATIONS.select(["nope"])
+    with pytest.raises(KeyError, match="controls"):
+        get_table("nope")
+
+
+def test_model_overrides_are_translated_per_model():
+    assert model_overrides_for("qsv", TINY) == TINY
+    lattice = model_overrides_for("lattice", TINY)
+    assert lattice["lattice_sides"] == [4, 2] and "shell_sizes" not in lattice
+    gat = model_overrides_for("attention-gat", TINY)
+    assert gat["qsv_widths"] == [8, 8] and "widths" not in gat and "repulsion_k" not in gat
+    assert model_overrides_for("resnet20", TINY) == {}
+    nested = model_overrides_for("attention-gat", dict(TINY, **{"attention-gat": {
+        "widths": [4, 4]}}))
+    assert nested["widths"] == [4, 4] and "qsv_widths" not in nested
+    with pytest.raises(ExperimentError, match="unknown key"):
+        model_overrides_for("qsv", {"widht": [8]})
+    with pytest.raises(ExperimentError, match="square"):
+        model_overrides_for("lattice", {"shell_sizes": [15, 4]})
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_ablations_run_report_and_reuse(data_dir, tmp_path, monkeypatch, capsys):
+    rows = ["full", "transport-identity", "routing-uniform"]
+    argv = args("ablations", data_dir, tmp_path, "--rows", *rows, "--launcher", "in-process")
+    assert main(argv) == 0
+    labels = [ABLATIONS.row(r).label for r in rows]
+    results = assert_report(tmp_path / "ablations", labels)
+    assert all(r["measured"]["n"] == 1 for r in results["rows"])
+    assert results["rows"][0]["measured"]["delta"] == 0.0
+    assert results["rows"][1]["paper"]["delta"] == -4.0
+    assert results["settings"]["time_budget"] == 1.0
+    for slug in rows:
+        folder = run_dir(tmp_path, "ablations", slug, 0)
+        assert json.loads((folder / "log.jsonl").read_text().splitlines()[0])["betas"]
+    assert "3 trained" in capsys.readouterr().out
+
+    # The same command again: every run is reused, nothing is launched.
+    metrics = run_dir(tmp_path, "ablations", "full", 0) / "metrics.json"
+    mtime = metrics.stat().st_mtime_ns
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(runner, "launch_training", no_training)
+    assert main(argv) == 0
+    assert "3 reused" in capsys.readouterr().out
+    assert metrics.stat().st_mtime_ns == mtime
+
+
+def test_resume_mismatch_overwrite_and_budget(data_dir, tmp_path, capsys):
+    argv = args("ablations", data_dir, tmp_path, "--rows", "full", "--launcher", "in-process")
+    assert main(argv) == 0
+    folder = run_dir(tmp_path, "ablations", "full", 0)
+
+    # A checkpoint without metrics (an interrupted run) is resumed, not restarted.
+    os.remove(folder / "metrics.json")
+    assert main(argv) == 0
+    assert "1 resumed" in capsys.readouterr().out
+    launches = json.loads((folder / "runner.json").read_text())["launches"]
+    assert [x["action"] for x in launches] == ["train", "resume"]
+    assert float(launches[-1]["argv"][launches[-1]["argv"].index("--time-budget") + 1]) <= 1.0
+
+    # A changed setting is refused before anything runs, unless --overwrite.
+    changed = args("ablations", data_dir, tmp_path, "--rows", "full", "--launcher",
+                   "in-process", budget="2")
+    assert main(changed) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err and "time_budget" in err
+    assert main(changed + ["--overwrite"]) == 0
+    assert "1 trained" in capsys.readouterr().out
+
+    # A budget that ends before the first step still yields metrics, marked as stopped.
+    tiny_budget = args("ablations", data_dir, tmp_path / "b", "--rows", "full",
+                       "--launcher", "in-process", budget="0.0001")
+    assert main(tiny_budget) == 0
+    md = (tmp_path / "b" / "ablations" / "table.md").read_text()
+    assert "(budget: 1/1)" in md
+
+
+def test_controls_in_subprocesses(data_dir, tmp_path, capsys):
+    # The default launcher: one fresh interpreter per run.
+    assert main(args("controls", data_dir, tmp_path, "--rows", "qsv", "resnet20")) == 0
+    results = assert_report(tmp_path / "controls", ["QSV", "ResNet-20"])
+    qsv, resnet = results["rows"]
+    assert qsv["paper"]["acc"] == 85.9 and resnet["paper"]["approx"]
+    assert resnet["measured"]["params"] > 100 * qsv["measured"]["params"]
+    assert any("not parameter-matched" in w for w in results["warnings"])
+    out = (run_dir(tmp_path, "controls", "qsv", 0) / "output.txt").read_text()
+    assert "done: test acc" in out
+    # Only the requested rows were run.
+    assert not (tmp_path / "controls" / "lattice").exists()
+
+
+def test_report_only_without_runs(tmp_path, capsys):
+    assert main(["--table", "controls", "--out-root", str(tmp_path), "--report-only"]) == 0
+    results = assert_report(tmp_path / "controls", [r.label for r in CONTROLS.rows])
+    assert all(r["measured"]["n"] == 0 for r in results["rows"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--table", "nope"], "invalid choice"),
+    (["--table", "ablations", "--rows", "nope"], "has no row"),
+    (["--table", "ablations", "--budget-minutes", "0"], "must be positive"),
+    (["--table", "ablations"], "--budget-minutes is required"),
+    (["--table", "ablations", "--budget-minutes", "1", "--seeds", "x"], "non-negative integer"),
+    (["--table", "ablations", "--budget-minutes", "1", "--model-overrides", "{bad"],
+     "not valid JSON"),
+    (["--table", "ablations", "--budget-minutes", "1", "--model-overrides", '{"widht": 1}'],
+     "unknown key"),
+    (["--table", "ablations", "--budget-minutes", "1", "--train-args", "--seed 3"],
+     "may not contain --seed"),
+    (["--table", "ablations", "--budget-minutes", "1", "--train-args=--bogus"],
+     "unrecognized arguments"),
+    (["--table", "ablations", "--budget-minutes", "1", "--epochs", "0"], "must be positive"),
+    (["--table", "ablations", "--budget-minutes", "1", "--rows", "full",
+      "--model-overrides", '{"widths": [8, 8]}'], "cannot build 'qsv'"),
+])
+def test_bad_flags_fail_clearly(data_dir, tmp_path, capsys, extra, message):
+    argv = ["--data-dir", str(data_dir), "--out-root", str(tmp_path), "--no-progress", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "ablations").exists()  # nothing was trained
+
+
+def test_missing_data_dir_is_reported(tmp_path, capsys):
+    argv = ["--table", "ablations", "--budget-minutes", "1", "--data-dir",
+            str(tmp_path / "none"), "--out-root", str(tmp_path)]
+    assert main(argv) == 2
+    assert "no such folder" in capsys.readouterr().err
