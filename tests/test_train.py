@@ -10,9 +10,9 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from qsv_pyg.data import DeviceLoader
-from qsv_pyg.models import available_models
 from qsv_pyg.training import trainer
 from qsv_pyg.training.checkpoint import load_checkpoint
 from qsv_pyg.training.cli import config_from_args, main
@@ -102,8 +101,9 @@ class CallCounter:
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        out = self.action(self.calls)
-        return self.original(*args, **kwargs) if out is None else out(self.original(*args, **kwargs))
+        transform = self.action(self.calls)
+        result = self.original(*args, **kwargs)
+        return result if transform is None else transform(result)
 
 
 def patch_aux_loss(monkeypatch, model_cls, action) -> CallCounter:
@@ -242,7 +242,10 @@ def test_real_time_budget_stops_cleanly(data_dir, tmp_path):
 
 def test_sigint_saves_mid_epoch_and_resume_matches(data_dir, tmp_path, monkeypatch, capsys,
                                                    straight_qsv):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be installed from the main thread")
     out = tmp_path / "run"
+    handler_before = signal.getsignal(signal.SIGINT)
 
     def ctrl_c(call):  # a real SIGINT in the middle of the 6th step
         if call == 6:
@@ -254,7 +257,7 @@ def test_sigint_saves_mid_epoch_and_resume_matches(data_dir, tmp_path, monkeypat
     state = load_checkpoint(out / "checkpoint.pt")
     assert (state["epoch"], state["batch"]) == (1, 2)  # the 6th step completed first
     assert len(read_log(out)) == 1 and not (out / "metrics.json").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert signal.getsignal(signal.SIGINT) is handler_before  # handler restored
     monkeypatch.undo()
     run_ok(["--resume", "--out-dir", str(out), "--no-progress"])
     assert untimed(read_log(out)) == untimed(read_log(straight_qsv))
@@ -367,27 +370,23 @@ def test_console_script_subprocess_error(tmp_path):
 # --------------------------------------------------------------------------- torchrun
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_torchrun_two_processes_gloo(data_dir, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+    # --standalone lets torchrun bind a free rendezvous port itself (no port race with
+    # other jobs on the machine).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "examples" / "train_cifar.py"),
            *base_args(data_dir, out, "--batch-size", "8", "--routing", "uniform", model=TINY_QSV)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    output = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, output
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["epochs"] == 2
-    assert metrics["steps"] == 2 * (N_TRAIN // 2 // 8)  # every rank takes 32 images per epoch
-    assert 0.0 <= metrics["test_acc"] <= 1.0 and metrics["test_images"] == N_TEST
+    assert metrics["world_size"] == 2 and metrics["epochs"] == 2, metrics
+    assert metrics["steps"] == 2 * (N_TRAIN // 2 // 8), metrics  # 32 images per rank and epoch
+    assert 0.0 <= metrics["test_acc"] <= 1.0 and metrics["test_images"] == N_TEST, metrics
     assert [line["epoch"] for line in read_log(out)] == [1, 2]  # rank 0 only, once per epoch
-    assert proc.stdout.count("done: test acc") == 1
+    assert proc.stdout.count("done: test acc") == 1, output
     state = load_checkpoint(out / "checkpoint.pt")
     assert state["world_size"] == 2 and len(state["rng"]) == 2

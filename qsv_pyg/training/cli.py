@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from qsv_pyg.models import available_models
 
@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", metavar="NAME",
                    help=f"model to train, one of: {', '.join(models)}")
     g.add_argument("--config", metavar="PRESET",
-                   help="start from a named preset (full-scale schedule); explicit flags override it")
+                   help="start from a named preset (full-scale schedule); explicit flags "
+                        "override it")
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    g.add_argument("--dataset", choices=("cifar10", "cifar100"), help="dataset" + _default("dataset"))
+    g.add_argument("--dataset", choices=("cifar10", "cifar100"),
+                   help="dataset" + _default("dataset"))
     g.add_argument("--data-dir", metavar="DIR",
                    help="folder containing cifar-10-batches-py/ or cifar-100-python/ "
                         "(default: $QSV_DATA_DIR)")
@@ -106,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the field repulsion regulariser")
     g.add_argument("--model-arg", type=_model_arg, action="append", metavar="KEY=VALUE",
                    dest="model_args",
-                   help="extra model keyword, VALUE parsed as JSON (e.g. widths=[32,32]); repeatable")
+                   help="extra model keyword, VALUE parsed as JSON (e.g. widths=[32,32]); "
+                        "repeatable")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, help="training epochs" + _default("epochs"))
@@ -227,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except KeyboardInterrupt:
         if loud:
-            print("interrupted before training started; nothing was saved", file=sys.stderr)
+            print("interrupted outside the training loop; nothing more was saved (an existing "
+                  "checkpoint stays valid for --resume)", file=sys.stderr)
         return 130
     return 0
 

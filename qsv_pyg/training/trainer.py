@@ -92,8 +92,10 @@ __all__ = [
     "RESUME_OVERRIDABLE",
     "TIMING_FIELDS",
     "TrainingInterrupted",
+    "WithAuxiliaryLoss",
     "config_for_resume",
     "find_checkpoint",
+    "evaluate",
     "train",
 ]
 
@@ -182,8 +184,9 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
            t_start: float) -> Dict[str, Any]:
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     if device.type == "cuda":
-        if dist_info.enabled:
-            device = torch.device("cuda", dist_info.local_rank)
+        # An explicit index everywhere (set_device and DDP need one); torchrun picks it.
+        index = dist_info.local_rank if dist_info.enabled else device.index
+        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -270,21 +273,24 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         best = dict(ckpt["best"])
         total_seconds, last_eval = float(ckpt["total_seconds"]), ckpt["last_eval"]
         restore_rng_state(ckpt["rng"][rank])
-        say(f"resumed from {resume_from}: epoch {start_epoch + 1}, batch "
-            f"{start_batch}/{steps_per_epoch}")
+        say(f"resumed from {resume_from}: " + (
+            f"epoch {start_epoch + 1}, batch {start_batch}/{steps_per_epoch}"
+            if start_epoch < cfg.epochs else f"all {cfg.epochs} epochs were already done"))
     else:
         # Distinct streams per rank for anything random inside the model (dropout).
         torch.manual_seed(cfg.seed + rank)
 
     # ---------------------------------------------------------------- 7. wrap for speed / DDP
-    train_model: nn.Module = raw_model
+    # The wrapper returns (logits, auxiliary loss) from one forward, so DDP sees the
+    # regulariser's parameters as used by the forward pass too.
+    train_model: nn.Module = WithAuxiliaryLoss(raw_model)
     if dist_info.enabled:
-        train_model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
+        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None,
                           find_unused_parameters=find_unused)
     eval_model: nn.Module = raw_model  # never DDP: evaluation shards differ in size
     if cfg.compile:
         train_model = torch.compile(train_model)
-        eval_model = train_model if not dist_info.enabled else torch.compile(raw_model)
+        eval_model = torch.compile(raw_model)
 
     # ---------------------------------------------------------------- 8. files
     if is_main:
@@ -345,7 +351,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                 # ---- train one epoch (from `batch`, which is > 0 only after a resume)
                 raw_model.train()
                 t_epoch = time.perf_counter() - run["train_seconds"]
-                with tqdm(total=steps_per_epoch, initial=batch, disable=not (cfg.progress and is_main),
+                show_bar = cfg.progress and is_main
+                with tqdm(total=steps_per_epoch, initial=batch, disable=not show_bar,
                           desc=f"epoch {epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
                           leave=False, file=sys.stderr) as bar:
                     for images, labels in train_loader.epoch(epoch, start_batch=batch):
@@ -355,10 +362,9 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                             break
                         in_step = True
                         with autocast():
-                            logits = train_model(images)
+                            logits, aux_loss = train_model(images)
                             loss = F.cross_entropy(logits, labels,
-                                                   label_smoothing=cfg.label_smoothing)
-                            loss = loss + raw_model.auxiliary_loss()
+                                                   label_smoothing=cfg.label_smoothing) + aux_loss
                         optimizer.zero_grad(set_to_none=True)
                         scaler.scale(loss).backward()
                         scaler.step(optimizer)
@@ -482,6 +488,23 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
 # ============================================================================ evaluation
 
 
+class WithAuxiliaryLoss(nn.Module):
+    """``images -> (logits, model.auxiliary_loss())`` in one forward call.
+
+    Regularisers (field repulsion, β prior) then belong to the forward pass that
+    DDP and ``torch.compile`` see. Models without ``auxiliary_loss`` get ``0``.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(images)
+        aux = getattr(self.model, "auxiliary_loss", None)
+        return logits, (aux() if callable(aux) else logits.new_zeros(()))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DeviceLoader, autocast=contextlib.nullcontext
              ) -> Dict[str, float]:
@@ -557,8 +580,8 @@ def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str,
     if changed:
         details = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)!r} -> {overrides[k]!r}"
                             for k in changed)
-        raise ConfigError(f"cannot change {details} when resuming {checkpoint}; only "
-                          f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
+        allowed = ", ".join("--" + k.replace("_", "-") for k in sorted(RESUME_OVERRIDABLE))
+        raise ConfigError(f"cannot change {details} when resuming {checkpoint}; only {allowed} "
                           "may differ (start a new run instead)")
     cfg = cfg.replace(**{k: v for k, v in overrides.items() if k in RESUME_OVERRIDABLE})
     if not overrides.get("out_dir"):
@@ -681,7 +704,9 @@ def _num_parameters(model: nn.Module) -> int:
 
 def _summary(model: nn.Module) -> str:
     fn = getattr(model, "summary", None)
-    return fn() if callable(fn) else f"{type(model).__name__}: {_num_parameters(model):,} parameters"
+    if callable(fn):
+        return fn()
+    return f"{type(model).__name__}: {_num_parameters(model):,} parameters"
 
 
 def _betas(model: nn.Module) -> Dict[str, List[float]]:
@@ -699,14 +724,12 @@ def _has_unused_parameters(model: nn.Module, images: torch.Tensor, labels: torch
     Runs on a copy under a forked RNG, so the real model and random streams are
     untouched.
     """
-    probe = copy.deepcopy(model).train()
+    probe = WithAuxiliaryLoss(copy.deepcopy(model)).train()
     devices = [images.device] if images.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         with autocast():
-            loss = F.cross_entropy(probe(images), labels)
-            aux = getattr(probe, "auxiliary_loss", None)
-            if callable(aux):
-                loss = loss + aux()
+            logits, aux_loss = probe(images)
+            loss = F.cross_entropy(logits, labels) + aux_loss
         loss.backward()
     return any(p.requires_grad and p.grad is None for p in probe.parameters())
 
