@@ -854,3 +854,40 @@ def test_forward_errors(random_graph):
     # check_finite=False skips the check (and its host sync).
     out = QSVConv(8, 4, heads=2, check_finite=False)(bad, ei)
     assert not torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------
+# Sparse (SpMM/SDDMM) kernels of the fixed-degree path and their pattern cache.
+def test_sparse_kernels_match_gather_reference_and_gradcheck():
+    from qsv_pyg.nn.fixed_degree import (_WeightedNeighborSum, gather_rows,
+                                         neighbor_dot, weighted_neighbor_sum)
+    gen = torch.Generator().manual_seed(3)
+    nbr = torch.randint(0, 6, (9, 4), generator=gen)
+    for rest in [(5,), (3, 4)]:
+        v = torch.randn(6, 2, *rest, dtype=torch.float64, generator=gen).requires_grad_()
+        a = torch.randn(9, 4, 2, dtype=torch.float64, generator=gen).requires_grad_()
+        ref = _WeightedNeighborSum.apply(a, v, nbr)
+        assert torch.allclose(weighted_neighbor_sum(a, v, nbr), ref)
+        assert torch.autograd.gradcheck(lambda a, v: weighted_neighbor_sum(a, v, nbr), (a, v))
+    qa = torch.randn(9, 2, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    qb = torch.randn(6, 2, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    ref = (qa.unsqueeze(-3) * gather_rows(qb, nbr, -3)).sum(-1)
+    assert torch.allclose(neighbor_dot(qa, qb, nbr), ref)
+    assert torch.autograd.gradcheck(lambda a, b: neighbor_dot(a, b, nbr), (qa, qb))
+
+
+def test_sparse_pattern_cache_never_serves_a_stale_graph():
+    from qsv_pyg.nn.fixed_degree import _WeightedNeighborSum, weighted_neighbor_sum
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(6, 2, 3, generator=gen)
+    a = torch.rand(5, 3, 2, generator=gen)
+    for _ in range(20):  # fresh tables of one shape: addresses may repeat once freed
+        nbr = torch.randint(0, 6, (5, 3), generator=gen)
+        assert torch.allclose(weighted_neighbor_sum(a, v, nbr),
+                              _WeightedNeighborSum.apply(a, v, nbr), atol=1e-6)
+        del nbr
+    nbr = torch.randint(0, 6, (5, 3), generator=gen)
+    weighted_neighbor_sum(a, v, nbr)
+    nbr[0, 0] = (nbr[0, 0] + 1) % 6  # in-place edit bumps the version: re-derived
+    assert torch.allclose(weighted_neighbor_sum(a, v, nbr),
+                          _WeightedNeighborSum.apply(a, v, nbr), atol=1e-6)

@@ -25,7 +25,12 @@ from torch_geometric.utils import (
 from torch_geometric.utils.sparse import set_sparse_value
 
 from ..quaternion import hamilton_product, matrix_rotate_blocks, quaternion_to_matrix
-from .fixed_degree import fixed_degree_neighbors, gather_rows, weighted_neighbor_sum
+from .fixed_degree import (
+    fixed_degree_neighbors,
+    gather_rows,
+    neighbor_dot,
+    weighted_neighbor_sum,
+)
 
 if typing.TYPE_CHECKING:
     from typing import overload
@@ -684,8 +689,10 @@ class QSVConv(MessagePassing):
             assert q_dst is not None
             # [..., n, 1, H, 4] . [..., n, k, H, 4]; with a field shared by the
             # batch this is computed once, not once per batch item.
-            logits = self._logits(q_dst.unsqueeze(-3), gather_rows(q_src, nbr, -3),
-                                  None, None, (n, k))
+            re_r = neighbor_dot(q_dst, q_src, nbr)  # Re(q_i* q_j) = <q_i, q_j>
+            if self.routing == "abs":
+                re_r = re_r.abs()
+            logits = re_r * self.beta
         elif self.routing == "geometric":
             p_src, p_dst = pos
             assert p_src is not None and p_dst is not None
