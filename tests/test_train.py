@@ -390,3 +390,40 @@ def test_torchrun_two_processes_gloo(data_dir, tmp_path):
     assert proc.stdout.count("done: test acc") == 1, output
     state = load_checkpoint(out / "checkpoint.pt")
     assert state["world_size"] == 2 and len(state["rng"]) == 2
+
+
+def test_process_clock_budget_and_threads(data_dir, tmp_path, monkeypatch):
+    """--budget-clock process stops on this process's CPU time, not wall time."""
+    fake = {"cpu": 0.0}
+
+    def cpu_clock():
+        fake["cpu"] += 30.0  # every check "burns" 30 CPU-seconds
+        return fake["cpu"]
+
+    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    out = tmp_path / "run"
+    code = main(base_args(data_dir, out, "--epochs", "3", "--time-budget", "1",
+                          "--budget-clock", "process", "--threads", "1"))
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped_early"] is True and metrics["stop_reason"] == "time_budget"
+    assert fake["cpu"] <= 4 * 30.0  # stopped after about two checks, not three epochs
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["budget_clock"] == "process" and cfg["threads"] == 1
+
+
+def test_anneal_to_budget_ends_the_cosine_with_the_budget(data_dir, tmp_path, monkeypatch):
+    fake = {"cpu": 0.0}
+
+    def cpu_clock():
+        fake["cpu"] += 5.0
+        return fake["cpu"]
+
+    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    out = tmp_path / "run"
+    run_ok(base_args(data_dir, out, "--epochs", "50", "--time-budget", "1",
+                     "--budget-clock", "process", "--anneal-to-budget",
+                     "--warmup-epochs", "0"))
+    lrs = [line["lr"] for line in read_log(out)]
+    assert lrs[-1] < 0.3 * 3e-3  # well into the decay, although 50 epochs were planned
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))

@@ -49,6 +49,7 @@ QSV_DEFAULTS = dict(
     quat_source="field",
     frozen_field=False,
     field_init="uniform",
+    field_per_head=True,
     beta_init=1.0,
     learn_beta=True,
     beta_prior=None,  # None: the prior is beta_init
@@ -98,6 +99,8 @@ class GraphNet(ImageClassifier):
         frozen_field: keep the fields at their random initialisation (``False``).
         field_init: ``"uniform"`` (default) or ``"identity"``, see
             :class:`QuaternionField`.
+        field_per_head: one field quaternion per node and head (``True``), or one
+            per node shared by all heads (``False``).
         beta_init: initial routing temperature (``1.0``).
         learn_beta: learn the temperatures (``True``).
         beta_prior: centre of the log-temperature prior (``beta_init``).
@@ -136,6 +139,7 @@ class GraphNet(ImageClassifier):
         quat_source: Optional[str] = None,
         frozen_field: Optional[bool] = None,
         field_init: Optional[str] = None,
+        field_per_head: Optional[bool] = None,
         beta_init: Optional[float] = None,
         learn_beta: Optional[bool] = None,
         beta_prior: Optional[float] = None,
@@ -147,7 +151,8 @@ class GraphNet(ImageClassifier):
         if conv not in CONV_KINDS:
             raise ValueError(f"conv={conv!r} is not supported; choose one of {CONV_KINDS}")
         given = dict(routing=routing, transport=transport, quat_source=quat_source,
-                     frozen_field=frozen_field, field_init=field_init, beta_init=beta_init,
+                     frozen_field=frozen_field, field_init=field_init,
+                     field_per_head=field_per_head, beta_init=beta_init,
                      learn_beta=learn_beta, beta_prior=beta_prior,
                      beta_prior_weight=beta_prior_weight, repulsion_k=repulsion_k,
                      repulsion_weight=repulsion_weight)
@@ -206,8 +211,9 @@ class GraphNet(ImageClassifier):
                               check_finite=check_finite)
             if opts["quat_source"] != "features":
                 self.fields = nn.ModuleList(
-                    [QuaternionField(n, heads, frozen=opts["frozen_field"],
-                                     init=opts["field_init"]) for n in self.sizes])
+                    [QuaternionField(n, heads if opts["field_per_head"] else 1,
+                                     frozen=opts["frozen_field"], init=opts["field_init"])
+                     for n in self.sizes])
             if opts["routing"] == "geometric":
                 # Unit directions on shells (shells of different radii are compared
                 # by angle), raw coordinates on the flat lattice.
@@ -296,7 +302,12 @@ class GraphNet(ImageClassifier):
         return out
 
     def _quat(self, s: int) -> Optional[Tensor]:
-        return None if self.fields is None else self.fields[s]()
+        if self.fields is None:
+            return None
+        q = self.fields[s]()  # [N, heads or 1, 4]
+        # One quaternion per node shared by the heads (field_per_head=False):
+        # the heads then differ only in their temperature and channel slice.
+        return q if q.size(1) == self.heads else q.expand(-1, self.heads, -1)
 
     def _pos(self, s: int) -> Optional[Tensor]:
         return getattr(self, f"pos_{s}") if self.routing_pos else None

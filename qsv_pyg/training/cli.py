@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="message transport (model default: sandwich)")
     g.add_argument("--quat-source", choices=QUAT_SOURCES,
                    help="origin of the quaternions (model default: field)")
+    g.add_argument("--field-per-head", action=argparse.BooleanOptionalAction,
+                   help="QSV: one field quaternion per node and head (default) or, with "
+                   "--no-field-per-head, one per node shared by the heads")
     g.add_argument("--frozen-field", action=argparse.BooleanOptionalAction,
                    help="keep the quaternion fields at their random initialisation")
     g.add_argument("--beta-init", type=float, metavar="B", help="initial routing temperature β")
@@ -139,7 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="wrap the model in torch.compile")
     g.add_argument("--time-budget", type=float, metavar="MINUTES",
-                   help="stop cleanly (checkpoint, evaluation, metrics) after this much wall time")
+                   help="stop cleanly (checkpoint, evaluation, metrics) after this much time")
+    g.add_argument("--budget-clock", choices=("wall", "process"),
+                   help="what --time-budget counts: wall time, or this process's CPU time "
+                   "(equal compute per run on a shared machine)" + _default("budget_clock"))
+    g.add_argument("--anneal-to-budget", action=argparse.BooleanOptionalAction,
+                   help="end the cosine decay when the time budget ends, if that is sooner")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: torch's choice)")
     g.add_argument("--out-dir", metavar="DIR",
                    help="run folder (default: runs/<model>-<timestamp>)")
     g.add_argument("--resume", nargs="?", const="", metavar="PATH",

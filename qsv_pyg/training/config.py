@@ -55,6 +55,7 @@ ABLATION_FLAGS: Dict[str, tuple] = {
     "transport": ("--transport", "transport"),
     "quat_source": ("--quat-source", "quat_source"),
     "frozen_field": ("--frozen-field", "frozen_field"),
+    "field_per_head": ("--field-per-head", "field_per_head"),
     "beta_init": ("--beta-init", "beta_init"),
     "frozen_beta": ("--frozen-beta", "learn_beta"),
     "beta_prior": ("--beta-prior", "beta_prior_weight"),
@@ -85,6 +86,8 @@ class TrainConfig:
         transport: QSV transport ablation (``sandwich``, ``identity``).
         quat_source: where QSV's quaternions come from (``field``, ``features``, ``both``).
         frozen_field: keep the quaternion fields at their random initialisation.
+        field_per_head: one field quaternion per node and head (default), or one
+            per node shared by the heads (``False``).
         beta_init: initial routing temperature β.
         frozen_beta: do not learn β (``learn_beta=False`` in the model).
         beta_prior: weight of the log-β prior (model keyword ``beta_prior_weight``).
@@ -106,7 +109,14 @@ class TrainConfig:
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
         amp: mixed precision on CUDA: ``"none"``, ``"bf16"`` or ``"fp16"``.
         compile: wrap the model in :func:`torch.compile`.
-        time_budget: stop cleanly after this many minutes of wall time.
+        time_budget: stop cleanly after this many minutes (of ``budget_clock``).
+        budget_clock: what the time budget counts: ``"wall"`` (elapsed time) or
+            ``"process"`` (CPU time of this process, all threads). With a fixed
+            thread count, "process" gives runs equal compute even when other
+            work shares the machine.
+        threads: torch intra-op CPU threads (``None``: torch's default).
+        anneal_to_budget: let the cosine decay end when the time budget does (if
+            sooner than the epochs), so budget-limited runs end annealed.
         out_dir: run folder; ``None`` means ``runs/<model>-<timestamp>``.
         subset: train on a class-balanced subset of this many images.
         test_subset: evaluate on a class-balanced subset of this many images.
@@ -124,6 +134,7 @@ class TrainConfig:
     transport: Optional[str] = None
     quat_source: Optional[str] = None
     frozen_field: Optional[bool] = None
+    field_per_head: Optional[bool] = None
     beta_init: Optional[float] = None
     frozen_beta: Optional[bool] = None
     beta_prior: Optional[float] = None
@@ -146,6 +157,9 @@ class TrainConfig:
     amp: str = "none"
     compile: bool = False
     time_budget: Optional[float] = None
+    budget_clock: str = "wall"
+    anneal_to_budget: bool = False
+    threads: Optional[int] = None
     out_dir: Optional[str] = None
     subset: Optional[int] = None
     test_subset: Optional[int] = None
@@ -271,7 +285,7 @@ class TrainConfig:
         choice("quat_source", QUAT_SOURCES, allow_none=True)
         choice("amp", AMP_MODES)
         choice("optimizer", OPTIMIZER_BACKENDS)
-        for name in ("frozen_field", "frozen_beta"):
+        for name in ("frozen_field", "frozen_beta", "field_per_head"):
             value = getattr(self, name)
             need(value is None or isinstance(value, bool), f"{_flag(name)} must be true/false")
         for name in ("download", "compile", "progress"):
@@ -292,6 +306,9 @@ class TrainConfig:
         number("label_smoothing", 0.0, 1.0, hi_open=True)
         number("seed", 0, integer=True)
         number("time_budget", 0.0, lo_open=True, allow_none=True)
+        number("threads", 1, integer=True, allow_none=True)
+        need(self.budget_clock in ("wall", "process"),
+             f"--budget-clock must be wall or process; got {self.budget_clock!r}")
         number("subset", 1, integer=True, allow_none=True)
         number("test_subset", 1, integer=True, allow_none=True)
         need(isinstance(self.device, str) and bool(self.device),

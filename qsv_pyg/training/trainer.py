@@ -110,6 +110,7 @@ TIMING_FIELDS = ("seconds", "images_per_s")
 #: Options that may differ from the checkpoint's when resuming: where and how fast
 #: the run goes, not what it computes.
 RESUME_OVERRIDABLE = frozenset({"out_dir", "data_dir", "download", "device", "time_budget",
+                                "threads",
                                 "progress", "compile"})
 
 _NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
@@ -165,8 +166,10 @@ def train(cfg: TrainConfig, resume_from: "str | os.PathLike[str] | None" = None)
         NonFiniteLossError: the loss became NaN/inf.
         TrainingInterrupted: Ctrl-C or SIGTERM (after saving a checkpoint).
     """
-    t_start = _clock()
     cfg = TrainConfig.from_dict(cfg.to_dict()).validate()  # private copy
+    t_start = _clock()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if cfg.model not in available_models():
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of "
                           f"{', '.join(available_models())}")
@@ -257,7 +260,25 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     def lr_at(step: int) -> float:
+        if anneal_to_budget:
+            return optimizer.param_groups[0]["lr"]
         return cfg.lr * warmup_cosine_factor(step, warmup_steps, total_steps, cfg.min_lr_ratio)
+
+    # With --anneal-to-budget the cosine follows whichever runs out first, the
+    # epochs or the time budget, so a budget-stopped run still ends annealed and
+    # models of different speed get the same schedule shape. Time-dependent, so
+    # such runs are not bit-reproducible.
+    anneal_to_budget = bool(cfg.anneal_to_budget and cfg.time_budget)
+
+    def set_budget_lr(next_step: int) -> None:
+        if next_step < warmup_steps:
+            return  # the step-based warm-up stays as it is
+        used = (budget_clock() - budget_origin) / (60.0 * cfg.time_budget)
+        by_steps = (next_step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(1.0, max(used, by_steps))
+        factor = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * factor
 
     # ---------------------------------------------------------------- 6. restore or seed
     start_epoch, start_batch = 0, 0
@@ -316,7 +337,11 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                 "steps_per_epoch": steps_per_epoch, "optimizer_backend": backend})
 
     # ---------------------------------------------------------------- 9. the loop
-    deadline = t_start + 60.0 * cfg.time_budget if cfg.time_budget else None
+    # The budget's clock: wall time, or this process's CPU time (equal compute
+    # per run when other work shares the machine).
+    budget_clock = _process_clock if cfg.budget_clock == "process" else _clock
+    budget_origin = t_start if budget_clock is _clock else 0.0
+    deadline = budget_origin + 60.0 * cfg.time_budget if cfg.time_budget else None
     epoch, batch = start_epoch, start_batch  # position: next batch to run
     step = epoch * steps_per_epoch + batch  # global optimiser step
     pending = None  # (step, loss/correct tensor) of the last step, checked one step late
@@ -357,7 +382,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                           leave=False, file=sys.stderr) as bar:
                     for images, labels in train_loader.epoch(epoch, start_batch=batch):
                         stop_reason = _stop_requested(interrupt, deadline, device,
-                                                      dist_info.enabled)
+                                                      dist_info.enabled, budget_clock)
                         if stop_reason:
                             break
                         in_step = True
@@ -370,6 +395,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                         scaler.step(optimizer)
                         scaler.update()
                         scheduler.step()
+                        if anneal_to_budget:
+                            set_budget_lr(step + 1)
                         correct = (logits.argmax(dim=1) == labels).sum()
                         in_step = False
                         # Reading the previous step's loss now lets the GPU run ahead by one step.
@@ -629,6 +656,11 @@ def _clock() -> float:
     return time.monotonic()
 
 
+def _process_clock() -> float:
+    """CPU seconds of this process, all threads (``--budget-clock process``)."""
+    return time.process_time()
+
+
 def _say(message: str, enabled: bool = True) -> None:
     if enabled:
         tqdm.write(message, file=sys.stdout)
@@ -747,9 +779,11 @@ def _reduce_partial(run: Dict[str, float], device: torch.device) -> Dict[str, fl
 
 
 def _stop_requested(interrupt: "_InterruptFlag", deadline: Optional[float],
-                    device: torch.device, distributed: bool) -> Optional[str]:
+                    device: torch.device, distributed: bool,
+                    clock=None) -> Optional[str]:
     """``"interrupt"``, ``"time_budget"`` or ``None``, agreed on by every rank."""
-    code = 2 if interrupt.requested else 1 if deadline is not None and _clock() > deadline else 0
+    now = (clock or _clock)()
+    code = 2 if interrupt.requested else 1 if deadline is not None and now > deadline else 0
     if distributed:
         # All ranks must stop at the same step, or the next all-reduce would hang.
         code = int(all_reduce_max(torch.tensor([code], device=device)).item())
