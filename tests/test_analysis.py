@@ -9,10 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import pickle
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -33,32 +31,14 @@ from qsv_pyg.training.checkpoint import save_checkpoint
 from qsv_pyg.training.cli import main as train_main
 from qsv_pyg.training.config import TrainConfig
 
+from tiny_cifar import write_tiny_cifar10  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Three levels (two cross layers, one within layer); the fields start Haar-random,
 # so the relative rotations are far from the identity.
 TINY_ARGS = {"shell_sizes": [16, 9, 4], "widths": [16, 16, 16], "heads": 2, "k_cross": 4,
              "k_inner": 3, "within_rounds": 1, "repulsion_k": 3}
-
-
-def write_tiny_cifar10(root: Path, n_train: int, n_test: int) -> None:
-    """CIFAR-10 "python version" layout with random images and balanced labels."""
-    rng = np.random.default_rng(0)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-
-    def dump(name: str, n: int) -> None:
-        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-        labels = [int(i % 10) for i in rng.permutation(n)]
-        with open(folder / name, "wb") as f:
-            pickle.dump({b"data": data, b"labels": labels, b"filenames": [b"x.png"] * n}, f)
-
-    for i, part in enumerate(np.array_split(np.arange(n_train), 5), start=1):
-        dump(f"data_batch_{i}", len(part))
-    dump("test_batch", n_test)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({b"label_names": [f"class{c}".encode() for c in range(10)]}, f)
-
 
 def _load_cli():
     spec = importlib.util.spec_from_file_location("qsv_analyze_cli",

@@ -9,10 +9,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import pickle
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from qsv_pyg.experiments import ABLATIONS, CONTROLS, PaperValue, get_table
@@ -20,37 +18,17 @@ from qsv_pyg.experiments import runner
 from qsv_pyg.experiments.report import REPORT_FILES
 from qsv_pyg.experiments.runner import ExperimentError, main, model_overrides_for, run_dir
 
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck"]
+from tiny_cifar import write_tiny_cifar10  # noqa: E402
+
 
 # Graph models small enough for an epoch to take well under a second.
 TINY = {"shell_sizes": [16, 4], "widths": [8, 8], "heads": 2, "k_cross": 4, "k_inner": 3,
         "within_rounds": 1, "repulsion_k": 3}
 
-
-def write_tiny_cifar10(root: Path, n_train: int = 40, n_test: int = 20) -> None:
-    """CIFAR-10 "python version" layout with random images and balanced labels."""
-    rng = np.random.default_rng(0)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-
-    def dump(name: str, n: int) -> None:
-        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-        labels = [int(i % 10) for i in rng.permutation(n)]
-        with open(folder / name, "wb") as f:
-            pickle.dump({b"data": data, b"labels": labels, b"filenames": [b"x.png"] * n}, f)
-
-    for i, part in enumerate(np.array_split(np.arange(n_train), 5), start=1):
-        dump(f"data_batch_{i}", len(part))
-    dump("test_batch", n_test)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({b"label_names": [c.encode() for c in CLASSES]}, f)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
-    write_tiny_cifar10(root)
+    write_tiny_cifar10(root, 40, 20)
     return root
 
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,9 +23,9 @@ from qsv_pyg.training.checkpoint import load_checkpoint
 from qsv_pyg.training.cli import config_from_args, main
 from qsv_pyg.training.config import PRESETS, ConfigError, TrainConfig, preset_config
 
+from tiny_cifar import write_tiny_cifar10  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck"]
 N_TRAIN, N_TEST, BATCH = 64, 32, 16  # 4 steps per epoch
 
 # A QSV GraphNet small enough for a whole epoch to take milliseconds.
@@ -37,27 +35,6 @@ TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg"
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-def write_tiny_cifar10(root: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> None:
-    """CIFAR-10 "python version" layout with random images and balanced labels."""
-    rng = np.random.default_rng(0)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-
-    def dump(name: str, n: int) -> None:
-        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-        labels = [int(i % 10) for i in rng.permutation(n)]
-        with open(folder / name, "wb") as f:
-            pickle.dump({b"data": data, b"labels": labels, b"filenames": [b"x.png"] * n}, f)
-
-    per_batch = np.array_split(np.arange(n_train), 5)
-    for i, part in enumerate(per_batch, start=1):
-        dump(f"data_batch_{i}", len(part))
-    dump("test_batch", n_test)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({b"label_names": [c.encode() for c in CLASSES]}, f)
-
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
