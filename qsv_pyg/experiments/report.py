@@ -45,7 +45,8 @@ REPORT_FILES = ("table.md", "table.csv", "results.json", "accuracy.png", "beta_p
 
 # Settings that should be equal across the runs of one table for a fair comparison.
 _SHARED_SETTINGS = ("dataset", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
-                    "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget")
+                    "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget",
+                    "budget_clock", "threads")
 
 
 # ============================================================================ collect
@@ -112,6 +113,8 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
         budget = record.get("time_budget", config.get("time_budget"))
         info["settings"] = {k: config.get(k) for k in _SHARED_SETTINGS}
         info["settings"]["time_budget"] = budget
+        info["settings"]["budget_clock"] = config.get("budget_clock", "wall")
+        info["settings"]["threads"] = config.get("threads")
         info["model_args"] = config.get("model_args", {})
         info["betas"] = [(rec["epoch"], rec.get("betas") or {})
                          for rec in _read_log(folder / LOG_NAME) if "epoch" in rec]
@@ -267,7 +270,10 @@ def _settings_line(summary: Dict[str, Any]) -> str:
     s = summary["settings"]
     parts = []
     if s.get("time_budget") is not None:
-        parts.append(f"budget {s['time_budget']} min per run")
+        clock = "CPU (process) time" if s.get("budget_clock") == "process" else "wall time"
+        parts.append(f"budget {s['time_budget']} min of {clock} per run")
+    if s.get("threads"):
+        parts.append(f"{s['threads']} CPU thread(s) per run")
     for key, label in (("epochs", "epochs planned"), ("batch_size", "batch"), ("lr", "lr"),
                        ("subset", "train subset"), ("test_subset", "test subset"),
                        ("dataset", "dataset"), ("device", "device")):
@@ -322,7 +328,7 @@ def format_markdown(summary: Dict[str, Any]) -> str:
     if any(e["paper"]["approx"] for e in summary["rows"]):
         lines += ["", "≈: the paper gives this value only approximately."]
     if any(e["measured"]["n_stopped_by_budget"] for e in summary["rows"]):
-        lines += ["", "\"budget\": runs stopped by the wall-clock budget before their "
+        lines += ["", "\"budget\": runs stopped by the time budget before their "
                       "planned epochs (count of seeds)."]
     if summary["warnings"]:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in summary["warnings"]]
