@@ -1,0 +1,125 @@
+"""Markdown tables (and target verdicts) from recorded benchmark JSON files.
+
+    python benchmarks/summarize.py benchmarks/results/<run>/bench_conv_cpu.json
+    python benchmarks/summarize.py benchmarks/results/<run>/*.json > summary.md
+
+Used to write benchmarks/README.md from what was measured, never by hand.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Dict, List
+
+CONV_TARGETS = {"gat": 0.8, "transformer": 0.5, "simple-sum": 2.0}
+
+
+def conv_tables(payload: dict) -> str:
+    rows = payload["results"]
+    layers = list(rows[0]["layers"])
+    out: List[str] = []
+    m = payload["machine"]
+    out.append(f"Machine: {m.get('cpu', m.get('gpu', m.get('processor')))}; torch "
+               f"{m['torch']}, torch_geometric {m['torch_geometric']}, "
+               f"{m['torch_threads']} thread(s), device {m['device']}. "
+               f"Channels {payload['args']['channels']}, heads {payload['args']['heads']}.")
+    for key, title in (("fwd_bwd_ms", "forward + backward"), ("forward_ms", "forward only")):
+        out.append(f"\n{title} (median ms; `qsv/X` < 1 means QSVConv is faster)\n")
+        head = ["N", "k"] + layers + [f"qsv/{x}" for x in layers if x != "qsv"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in rows:
+            t = r["layers"]
+            cells = [str(r["n"]), str(r["k"])] + [f"{t[x][key]:.2f}" for x in layers]
+            cells += [f"{t['qsv'][key] / t[x][key]:.2f}" for x in layers if x != "qsv"]
+            out.append("| " + " | ".join(cells) + " |")
+    mem = "peak_mib" if "peak_mib" in rows[0]["layers"]["qsv"] else "saved_mib"
+    out.append(f"\nmemory ({'CUDA peak' if mem == 'peak_mib' else 'saved for backward'}, MiB)\n")
+    out.append("| N | k | " + " | ".join(layers) + " | qsv/gat |")
+    out.append("|" + "---|" * (len(layers) + 3))
+    for r in rows:
+        t = r["layers"]
+        out.append(f"| {r['n']} | {r['k']} | " + " | ".join(f"{t[x][mem]:.1f}" for x in layers)
+                   + (f" | {t['qsv'][mem] / t['gat'][mem]:.2f} |" if "gat" in t else " | - |"))
+    # Targets: worst and median ratio over the grid.
+    out.append("\nTargets (forward + backward, over the whole N × k grid):\n")
+    for other, bound in CONV_TARGETS.items():
+        if other not in layers:
+            continue
+        ratios = [r["layers"]["qsv"]["fwd_bwd_ms"] / r["layers"][other]["fwd_bwd_ms"]
+                  for r in rows]
+        met = max(ratios) <= bound
+        out.append(f"- QSVConv ≤ {bound}× {other}: median {statistics.median(ratios):.2f}×, "
+                   f"worst {max(ratios):.2f}× — {'met' if met else 'NOT met'}"
+                   + ("" if met else f" ({sum(x <= bound for x in ratios)}/{len(ratios)} "
+                                     f"graphs within)"))
+    # Linearity: time per edge across N at fixed k.
+    for k in sorted({r["k"] for r in rows}):
+        sub = sorted((r for r in rows if r["k"] == k), key=lambda r: r["n"])
+        per_edge = [1e6 * r["layers"]["qsv"]["fwd_bwd_ms"] / 1e3 / (r["n"] * k) for r in sub]
+        mean = statistics.fmean(per_edge)
+        spread = max(abs(p / mean - 1) for p in per_edge)
+        out.append(f"- linear in N·k (k = {k}): µs per edge "
+                   + ", ".join(f"N={r['n']}: {p:.3f}" for r, p in zip(sub, per_edge))
+                   + f"; max deviation from the mean {100 * spread:.0f}% — "
+                   + ("within ±20%" if spread <= 0.2 else "outside ±20%"))
+    return "\n".join(out)
+
+
+def train_tables(payload: dict) -> str:
+    res: Dict[str, dict] = payload["results"]
+    a = payload["args"]
+    m = payload["machine"]
+    mem = "peak_mib" if "peak_mib" in next(iter(res.values())) else "saved_mib"
+    out = [f"Machine: {m.get('cpu', m.get('gpu', m.get('processor')))}; torch {m['torch']}, "
+           f"{m['torch_threads']} thread(s), device {m['device']}; batch {a['batch_size']}, "
+           f"amp {a['amp']}, compile {a['compile']}.", ""]
+    ref = res.get("qsv")
+    out.append(f"| model | params | train img/s | infer img/s | QSV train throughput ÷ model's | {mem} |")
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for name, r in res.items():
+        ratio = f"{ref['train_images_per_s'] / r['train_images_per_s']:.2f}" if ref else "-"
+        out.append(f"| {name} | {r['params'] / 1e6:.3f}M | {r['train_images_per_s']:.1f} | "
+                   f"{r['infer_images_per_s']:.1f} | {ratio} | {r[mem]:.1f} |")
+    for name, r in res.items():
+        if "stage_share" in r:
+            out.append(f"\nstage share of {name} (forward + backward): " + ", ".join(
+                f"{k} {100 * v:.0f}%" for k, v in r["stage_share"].items()))
+    if ref:
+        out.append("")
+        for other in ("attention-gat", "attention-transformer"):
+            if other in res:
+                ratio = ref["train_images_per_s"] / res[other]["train_images_per_s"]
+                out.append(f"- QSV training throughput ≥ 1.0× {other}: {ratio:.2f}× — "
+                           + ("met" if ratio >= 1.0 else "NOT met"))
+    return "\n".join(out)
+
+
+def generic_table(payload: dict) -> str:
+    rows = payload["results"]
+    keys = [k for k in rows[0] if k not in ("n", "k")]
+    out = ["| N | k | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for r in rows:
+        out.append(f"| {r['n']} | {r['k']} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
+    return "\n".join(out)
+
+
+def main(paths: List[str]) -> None:
+    for path in paths:
+        with open(path) as f:
+            payload = json.load(f)
+        print(f"\n### {path}\n")
+        results = payload.get("results") or payload.get("result")
+        if isinstance(results, list) and results and "layers" in results[0]:
+            print(conv_tables(payload))
+        elif isinstance(results, dict) and "train_images_per_s" in next(iter(results.values()), {}):
+            print(train_tables(payload))
+        elif isinstance(results, list):
+            print(generic_table(payload))
+        else:
+            print("```\n" + json.dumps(results, indent=2) + "\n```")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
