@@ -87,6 +87,8 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = build_model(name, num_classes=10).to(device)
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.05)
+    if args.compile:  # a recompile per block shape, as in the trainer
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     run_model = torch.compile(model) if args.compile else model
     gen = torch.Generator().manual_seed(0)
     images = torch.randn(args.batch_size, 3, 32, 32, generator=gen).to(device)

@@ -50,6 +50,9 @@ def make_conv(kind: str, in_ch_src: int, in_ch_dst: Optional[int], width: int,
     in_channels = in_ch_src if in_ch_dst is None else (in_ch_src, in_ch_dst)
     out = width // heads
     if kind == "qsv":
+        # The pipeline's graphs are target-sorted kNN graphs: require the
+        # fixed-degree path, which also keeps it under torch.compile.
+        qsv_kwargs.setdefault("dense_path", "always")
         return QSVConv(in_channels, out, heads=heads, concat=True, add_self_loops=False,
                        **qsv_kwargs)
     if kind == "gat":

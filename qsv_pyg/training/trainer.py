@@ -310,6 +310,9 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                           find_unused_parameters=find_unused)
     eval_model: nn.Module = raw_model  # never DDP: evaluation shards differ in size
     if cfg.compile:
+        # Every block of a GraphNet has its own shapes: allow a recompile per block
+        # instead of falling back to eager after dynamo's default limit of 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         train_model = torch.compile(train_model)
         eval_model = torch.compile(raw_model)
 
