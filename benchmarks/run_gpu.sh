@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One short GPU measurement (< 5 minutes on an H100/H200): both benchmarks plus a
 # timed synthetic CIFAR-sized training epoch of the QSV model, all written as JSON
-# to ${OUT:-benchmarks/out}. Usage (from the repo root, after `bash .ci/install`):
+# to ${OUT:-benchmarks/out}. Usage, from a checkout (no install needed: it needs torch,
+# torch_geometric, tqdm and matplotlib; torch-cluster and geoopt are optional — kNN then
+# falls back to exact brute force and the field optimiser to projected AdamW):
 #     bash benchmarks/run_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -507,3 +507,14 @@ def test_cuda():
     assert torch.equal(knn_cross(pos.cuda(), pos[:50].cuda(), 120).cpu(), knn_cross(pos, pos[:50], 120))
     p = _uniform_sphere(100).cuda()
     assert (square_to_sphere(sphere_to_square(p)) - p).abs().max() < 1e-10
+
+
+def test_knn_without_torch_cluster_matches(monkeypatch):
+    """The brute-force fallback (no torch_cluster installed) gives the same graphs."""
+    import qsv_pyg.geometry.knn as knn_mod
+    pos = fibonacci_sphere(300, dtype=torch.float64)
+    src = fibonacci_sphere(120, dtype=torch.float64)
+    within, cross = knn_within(pos, 8), knn_cross(src, pos, 6)
+    monkeypatch.setattr(knn_mod, "torch_cluster", None)
+    assert torch.equal(knn_mod.knn_within(pos, 8), within)
+    assert torch.equal(knn_mod.knn_cross(src, pos, 6), cross)

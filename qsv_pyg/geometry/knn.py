@@ -27,8 +27,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch_cluster
 from torch import Tensor
+
+try:
+    import torch_cluster
+except ImportError:  # e.g. a GPU image without it: exact brute force instead
+    torch_cluster = None
 
 __all__ = ["knn_within", "knn_cross", "dense_neighbors"]
 
@@ -62,6 +66,8 @@ def _candidates(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
     if k_query >= n_src or (src.is_cuda and k_query > _CUDA_MAX_K):
         # Every source is a candidate; cheaper and simpler than a tree search.
         return torch.arange(n_src, device=src.device).expand(n_dst, n_src)
+    if torch_cluster is None:
+        return _candidates_brute_force(src, dst, k_query)
     row, col = torch_cluster.knn(src, dst, k_query)  # row: dst index, col: src index
     if row.numel() != n_dst * k_query:
         raise RuntimeError(
@@ -70,6 +76,15 @@ def _candidates(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
     # Group by destination; the within-row order is irrelevant (re-sorted later).
     perm = torch.sort(row, stable=True).indices
     return col[perm].view(n_dst, k_query)
+
+
+def _candidates_brute_force(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
+    """:func:`_candidates` without torch_cluster: exact top-k of pairwise
+    distances, in chunks of destinations so memory stays bounded."""
+    chunk = max(1, (1 << 24) // max(1, src.size(0)))
+    out = [torch.cdist(dst[i:i + chunk], src).topk(k_query, dim=1, largest=False).indices
+           for i in range(0, dst.size(0), chunk)]
+    return torch.cat(out, dim=0)
 
 
 def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
