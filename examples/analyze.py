@@ -46,6 +46,7 @@ from qsv_pyg.analysis import (  # noqa: E402
     summarize_angles,
 )
 from qsv_pyg.data import BatchAugment, DataError, DeviceLoader, load_cifar  # noqa: E402
+from qsv_pyg.utils import resolve_device  # noqa: E402
 from qsv_pyg.training.checkpoint import CheckpointError  # noqa: E402
 
 OUTPUT_FILES = ("analysis.json", "analysis.md", "routing_entropy.png", "rotation_angles.png")
@@ -72,18 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default: <run folder>/analysis)")
     return p
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {spec!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {spec}: CUDA is not available on this machine")
-    return device
 
 
 # ============================================================================ analysis

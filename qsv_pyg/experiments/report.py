@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from qsv_pyg.training.trainer import CHECKPOINT_NAME, CONFIG_NAME, LOG_NAME, METRICS_NAME
 
+from ..utils import read_json as _read_json
 from .runner import RUNNER_NAME, run_dir
 from .tables import PAPER_SOURCE, Row, Table
 
@@ -52,12 +53,6 @@ _SHARED_SETTINGS = ("dataset", "epochs", "batch_size", "lr", "weight_decay", "wa
 # ============================================================================ collect
 
 
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _read_log(path: Path) -> List[Dict[str, Any]]:

@@ -69,6 +69,7 @@ from qsv_pyg.training.trainer import (
     RESUME_OVERRIDABLE,
 )
 
+from ..utils import read_json as _read_json
 from .tables import TABLES, Row, Table, get_table
 
 __all__ = [
@@ -408,12 +409,6 @@ def _check_model(row: Row, cfg: TrainConfig) -> None:
 # ============================================================================ decisions
 
 
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def config_differences(requested: TrainConfig, saved: Mapping[str, Any],

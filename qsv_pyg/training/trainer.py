@@ -62,6 +62,7 @@ from tqdm import tqdm
 
 from qsv_pyg.data import BatchAugment, DataError, DeviceLoader, ImageDataset, load_cifar
 from qsv_pyg.models import available_models, build_model
+from qsv_pyg.utils import resolve_device
 
 from .checkpoint import (
     CheckpointError,
@@ -676,16 +677,10 @@ def _autocast(device_type: str, dtype: Optional[torch.dtype]):
 
 
 def _resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {spec!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {spec}: CUDA is not available on this machine "
-                          "(use --device cpu or auto)")
-    return device
+        return resolve_device(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _default_out_dir(model: str) -> str:

@@ -1,0 +1,35 @@
+"""Small helpers shared by the training CLI, the analysis CLI and the experiment runner."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        ValueError: an unknown spelling, or CUDA asked for where there is none.
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {spec!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available on this machine "
+                         "(use --device cpu or auto)")
+    return device
+
+
+def read_json(path: "str | Path") -> Optional[Dict[str, Any]]:
+    """The JSON object in ``path``, or ``None`` if it is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
