@@ -859,7 +859,7 @@ def test_forward_errors(random_graph):
 # --------------------------------------------------------------------------
 # Sparse (SpMM/SDDMM) kernels of the fixed-degree path and their pattern cache.
 def test_sparse_kernels_match_gather_reference_and_gradcheck():
-    from qsv_pyg.nn.fixed_degree import (_WeightedNeighborSum, gather_rows,
+    from qsv_pyg.nn.fixed_degree import (_SparseEdgeDot, _WeightedNeighborSum, gather_rows,
                                          neighbor_dot, weighted_neighbor_sum)
     gen = torch.Generator().manual_seed(3)
     nbr = torch.randint(0, 6, (9, 4), generator=gen)
@@ -874,6 +874,9 @@ def test_sparse_kernels_match_gather_reference_and_gradcheck():
     ref = (qa.unsqueeze(-3) * gather_rows(qb, nbr, -3)).sum(-1)
     assert torch.allclose(neighbor_dot(qa, qb, nbr), ref)
     assert torch.autograd.gradcheck(lambda a, b: neighbor_dot(a, b, nbr), (qa, qb))
+    # The SDDMM kernel itself (neighbor_dot picks it only for large graphs).
+    assert torch.allclose(_SparseEdgeDot.apply(qa, qb, nbr), ref)
+    assert torch.autograd.gradcheck(lambda a, b: _SparseEdgeDot.apply(a, b, nbr), (qa, qb))
 
 
 def test_sparse_pattern_cache_never_serves_a_stale_graph():

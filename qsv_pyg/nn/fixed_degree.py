@@ -191,6 +191,9 @@ class _SparseWeightedSum(torch.autograd.Function):
         return grad_alpha, grad_v, None
 
 
+_SDDMM_MIN_PAIRS = 4_000_000
+
+
 class _SparseEdgeDot(torch.autograd.Function):
     """``out[i, k, h] = <a[i, h], b[nbr[i, k], h]>`` as an SDDMM on the pattern of
     :func:`_csr_pattern`; backward is two SpMMs. No ``[E, H, D]`` gathers."""
@@ -238,7 +241,11 @@ def neighbor_dot(a: Tensor, b: Tensor, nbr: Tensor) -> Tensor:
     Returns:
         ``[..., N_dst, k, H]`` with ``out[i, k, h] = <a[i, h], b[nbr[i, k], h]>``.
     """
-    if a.dim() == 3 and b.dim() == 3 and a.dtype == b.dtype \
+    # For short vectors (quaternions: D = 4) gathering is cheaper than the SDDMM
+    # until the edge count is large: on CPU, 1M (edge, head) pairs gathered in
+    # 8.8 ms vs 13.2 ms by SDDMM, 8.4M pairs 135 ms vs 99 ms.
+    big = nbr.numel() * a.size(-2) * max(1, a.size(-1) // 4) >= _SDDMM_MIN_PAIRS
+    if big and a.dim() == 3 and b.dim() == 3 and a.dtype == b.dtype \
             and a.dtype in (torch.float32, torch.float64) and not is_compiling():
         return _SparseEdgeDot.apply(a.contiguous(), b.contiguous(), nbr)
     return (a.unsqueeze(-3) * gather_rows(b, nbr, -3)).sum(dim=-1)
