@@ -25,6 +25,7 @@ from torch_geometric.utils import (
 from torch_geometric.utils.sparse import set_sparse_value
 
 from ..quaternion import hamilton_product, matrix_rotate_blocks, quaternion_to_matrix
+from .qsv_kernel import qsv_aggregate
 from .fixed_degree import (
     fixed_degree_neighbors,
     gather_rows,
@@ -466,22 +467,16 @@ class QSVConv(MessagePassing):
         if self.add_self_loops:
             edge_index = self._with_self_loops(edge_index, x_src, x_dst, size)
 
-        # One rotation matrix per node and head; a graph on one node set reuses
-        # it for the rotation back (by q_i*, i.e. the transposed matrix).
-        rot_src = rot_dst = None
-        if self.transport == "sandwich":
-            assert q_dst is not None
-            rot_src = quaternion_to_matrix(q_src)
-            rot_dst = rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
-
         dense_src = self._dense_neighbors(edge_index, num_dst)
         if dense_src is not None:
-            z_nm, alpha = self._dense_aggregate(x_src, rot_src, rot_dst, q_src, q_dst,
-                                                pos_pair, dense_src)
+            z_nm, alpha = self._dense_aggregate(x_src, q_src, q_dst, pos_pair, dense_src)
             n, _, b, _ = z_nm.shape  # node-major [N_dst, H, B, C]
             z_h = z_nm.transpose(0, 1).reshape(H, n * b, C)
             lead_out = (*x_src.shape[:-2], n)
         else:
+            # One rotation matrix per node and head; a graph on one node set
+            # reuses it for the rotation back (by q_i*, the transposed matrix).
+            rot_src, rot_dst = self._rotations(q_src, q_dst)
             # Rotate each source once by q_j (the first half of the factorised
             # sandwich); messages are then plain weighted sums.
             lead = x_src.shape[:-1]  # (N,) or (B, N)
@@ -655,6 +650,30 @@ class QSVConv(MessagePassing):
                 "of incoming edges for every target")
         return nbr
 
+    def _use_fused(self, x_src: Tensor, q_src: Tensor, q_dst: OptTensor) -> bool:
+        """Whether :func:`~qsv_pyg.nn.qsv_kernel.qsv_aggregate` computes this call:
+        learned routing with the sandwich transport, a routing shared by the
+        batch (quaternions ``[N, H, 4]``), no attention dropout, eager mode."""
+        return (self.routing in ("learned", "abs") and self.transport == "sandwich"
+                and q_dst is not None and q_src.dim() == 3 and q_dst.dim() == 3
+                and not (self.training and self.dropout > 0)
+                and x_src.dtype in (torch.float32, torch.float64)
+                and q_src.dtype == x_src.dtype and not is_compiling())
+
+    def _fused_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: Tensor,
+                         nbr: Tensor) -> Tuple[Tensor, Tensor]:
+        """The fixed-degree aggregation as one autograd node; same returns as
+        :meth:`_dense_aggregate` (``z`` node-major ``[N_dst, H, B, C]``)."""
+        H = self.heads
+        C = x_src.size(-1) // H
+        b = x_src.numel() // max(x_src.size(-1) * x_src.size(-2), 1) if x_src.dim() == 3 else 1
+        n_src = x_src.size(-2)
+        v = x_src.reshape(b, n_src, H, C).permute(1, 2, 0, 3)  # [N, H, B, C]
+        z, alpha = qsv_aggregate(v.reshape(n_src, H, b * C // 4, 4), q_src,
+                                 None if q_dst is q_src else q_dst, self.beta, nbr,
+                                 use_abs=self.routing == "abs")
+        return z.view(nbr.size(0), H, b, C), alpha.reshape(-1, H)
+
     @staticmethod
     def _rotate_node_major(rot: Tensor, v: Tensor) -> Tensor:
         """Rotate ``v`` laid out ``[N, H, B, C]`` by ``rot`` (``[N, H, 3, 3]``
@@ -665,8 +684,14 @@ class QSVConv(MessagePassing):
         rot = rot.permute(1, 2, 0, 3, 4)  # [N, H, B, 3, 3]
         return matrix_rotate_blocks(rot, v.reshape(n, h, b, c // 4, 4)).view(n, h, b, c)
 
-    def _dense_aggregate(self, x_src: Tensor, rot_src: OptTensor, rot_dst: OptTensor,
-                         q_src: Tensor, q_dst: OptTensor,
+    def _rotations(self, q_src: Tensor, q_dst: OptTensor) -> Tuple[OptTensor, OptTensor]:
+        if self.transport != "sandwich":
+            return None, None
+        assert q_dst is not None
+        rot_src = quaternion_to_matrix(q_src)
+        return rot_src, rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
+
+    def _dense_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: OptTensor,
                          pos: Tuple[OptTensor, OptTensor], nbr: Tensor
                          ) -> Tuple[Tensor, Tensor]:
         """Transport, softmax over the k neighbours and weighted sum, no scatter.
@@ -677,6 +702,10 @@ class QSVConv(MessagePassing):
         Returns ``z`` node-major, ``[N_dst, H, B, C]`` (``B = 1`` without a
         batch), and alpha as ``[*, E, H]``.
         """
+        if self._use_fused(x_src, q_src, q_dst):
+            assert q_dst is not None
+            return self._fused_aggregate(x_src, q_src, q_dst, nbr)
+        rot_src, rot_dst = self._rotations(q_src, q_dst)
         n, k = nbr.shape
         H = self.heads
         batch = x_src.shape[:-2]

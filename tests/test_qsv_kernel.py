@@ -1,0 +1,206 @@
+"""The fused QSV aggregation (qsv_pyg.nn.qsv_kernel) and its block-matrix helpers."""
+import pytest
+import torch
+
+import qsv_pyg.nn.qsv_conv as qsv_conv_module
+from qsv_pyg.nn import QSVConv, unit_quaternion
+from qsv_pyg.nn.qsv_kernel import qsv_aggregate, softmax_last
+from qsv_pyg.quaternion import (
+    block_matrix_to_quaternion_grad,
+    conjugate,
+    hamilton_product,
+    quaternion_to_block_matrix,
+    quaternion_to_matrix,
+    random_unit_quaternion,
+    rotate,
+)
+
+from conftest import fixed_degree_edge_index
+
+DTYPES = [torch.float32, torch.float64]
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5),
+       torch.float64: dict(rtol=1e-10, atol=1e-10)}
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------- block matrix
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_matrix_is_the_sandwich(dtype):
+    q = random_unit_quaternion(5, 3, generator=gen(0), dtype=dtype)
+    x = torch.randn(5, 3, 4, generator=gen(1), dtype=dtype)
+    Q = quaternion_to_block_matrix(q)
+    assert Q.shape == (5, 3, 4, 4) and Q.dtype == dtype
+    torch.testing.assert_close((Q @ x.unsqueeze(-1)).squeeze(-1), rotate(q, x), **TOL[dtype])
+    torch.testing.assert_close(Q[..., 1:, 1:], quaternion_to_matrix(q), **TOL[dtype])
+    eye = torch.eye(4, dtype=dtype).expand_as(Q)
+    torch.testing.assert_close(Q @ Q.transpose(-1, -2), eye, **TOL[dtype])
+    # Q(q)^T is the matrix of q*
+    torch.testing.assert_close(Q.transpose(-1, -2), quaternion_to_block_matrix(conjugate(q)),
+                               **TOL[dtype])
+
+
+def test_block_matrix_rejects_wrong_last_dim():
+    with pytest.raises(ValueError, match="last dimension of size 4"):
+        quaternion_to_block_matrix(torch.randn(3, 3))
+
+
+def test_block_matrix_grad_matches_autograd():
+    q = torch.randn(6, 2, 4, dtype=torch.float64, generator=gen(2), requires_grad=True)
+    g = torch.randn(6, 2, 4, 4, dtype=torch.float64, generator=gen(3))
+    (auto, ) = torch.autograd.grad((quaternion_to_block_matrix(q) * g).sum(), q)
+    torch.testing.assert_close(block_matrix_to_quaternion_grad(q.detach(), g), auto)
+
+
+# ------------------------------------------------------------------ softmax
+@pytest.mark.parametrize("k", [1, 2, 5, 8, 15, 16, 17, 32])
+def test_softmax_last_matches_torch(k):
+    s = 30.0 * torch.randn(50, 3, k, generator=gen(k))
+    s[0, 0] = 1e4  # large logits must not overflow
+    out = softmax_last(s)
+    torch.testing.assert_close(out, torch.softmax(s, dim=-1))
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- the kernel
+def literal(v, q_src, q_dst, beta, nbr, use_abs):
+    """Per edge, straight from the definition: r = q_i* q_j, sandwich, softmax."""
+    n, k = nbr.shape
+    q_dst = q_src if q_dst is None else q_dst
+    qi = q_dst.unsqueeze(1).expand(n, k, *q_dst.shape[1:])        # [n, k, H, 4]
+    qj = q_src[nbr]                                                # [n, k, H, 4]
+    r = hamilton_product(conjugate(qi), qj)
+    logit = r[..., 0].abs() if use_abs else r[..., 0]
+    alpha = torch.softmax(beta * logit, dim=1)                     # [n, k, H]
+    msg = rotate(r.unsqueeze(-2), v[nbr])                          # [n, k, H, M, 4]
+    return (alpha[..., None, None] * msg).sum(dim=1), alpha
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_abs", [False, True])
+@pytest.mark.parametrize("bipartite", [False, True])
+def test_matches_literal_formula(dtype, use_abs, bipartite):
+    n_src, k, H, M = 30, 5, 3, 4
+    n_dst = 12 if bipartite else n_src
+    nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(4))
+    v = torch.randn(n_src, H, M, 4, generator=gen(5), dtype=dtype)
+    q_src = random_unit_quaternion(n_src, H, generator=gen(6), dtype=dtype)
+    q_dst = random_unit_quaternion(n_dst, H, generator=gen(7), dtype=dtype) if bipartite \
+        else None
+    beta = torch.tensor([0.5, 2.0, 7.0], dtype=dtype)
+    z, alpha = qsv_aggregate(v, q_src, q_dst, beta, nbr, use_abs)
+    ref_z, ref_alpha = literal(v, q_src, q_dst, beta, nbr, use_abs)
+    torch.testing.assert_close(z, ref_z, **TOL[dtype])
+    torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])
+
+
+@pytest.mark.parametrize("use_abs", [False, True])
+@pytest.mark.parametrize("bipartite", [False, True])
+def test_gradcheck(use_abs, bipartite):
+    n_src, k, H, M = 16, 4, 2, 3
+    n_dst = 9 if bipartite else n_src
+    nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(8))
+    d = torch.float64
+    v = torch.randn(n_src, H, M, 4, generator=gen(9), dtype=d, requires_grad=True)
+    p_src = torch.randn(n_src, H, 4, generator=gen(10), dtype=d, requires_grad=True)
+    p_dst = torch.randn(n_dst, H, 4, generator=gen(11), dtype=d, requires_grad=True)
+    beta = (0.5 + torch.rand(H, generator=gen(12), dtype=d)).requires_grad_()
+
+    def f(v, p_src, p_dst, beta):
+        q_dst = unit_quaternion(p_dst) if bipartite else None
+        return qsv_aggregate(v, unit_quaternion(p_src), q_dst, beta, nbr, use_abs)
+
+    # Both outputs (features and attention weights) carry gradients.
+    assert torch.autograd.gradcheck(f, (v, p_src, p_dst, beta))
+
+
+def test_only_needed_gradients():
+    n, k, H, M = 10, 3, 2, 2
+    nbr = torch.randint(0, n, (n, k), generator=gen(13))
+    v = torch.randn(n, H, M, 4, generator=gen(14), requires_grad=True)
+    q = random_unit_quaternion(n, H, generator=gen(15))  # a fixed field
+    beta = torch.ones(H)
+    z, _ = qsv_aggregate(v, q, None, beta, nbr)
+    z.sum().backward()
+    assert v.grad is not None and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(v=torch.randn(10, 2, 3)), "must be \\[N_src, H, M, 4\\]"),
+    (dict(q_src=torch.randn(10, 3, 4)), "must be \\[N_src, H, M, 4\\]"),
+    (dict(q_dst=torch.randn(4, 2, 4)), "q_dst"),
+    (dict(beta=torch.ones(3)), "beta"),
+    (dict(nbr=torch.zeros(6, 3, dtype=torch.long)), "6 targets but 10 sources"),
+])
+def test_shape_errors(bad, match):
+    args = dict(v=torch.randn(10, 2, 3, 4), q_src=torch.randn(10, 2, 4), q_dst=None,
+                beta=torch.ones(2), nbr=torch.zeros(10, 3, dtype=torch.long))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        qsv_aggregate(**args)
+
+
+# ---------------------------------------------------- inside QSVConv (dispatch)
+def spy_fused(monkeypatch):
+    calls = []
+    original = qsv_conv_module.qsv_aggregate
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(qsv_conv_module, "qsv_aggregate", spy)
+    return calls
+
+
+def grads(conv, x, out):
+    params = [p for p in conv.parameters()]
+    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
+                               [x] + params)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing", ["learned", "abs"])
+@pytest.mark.parametrize("mode", ["features", "field", "batched-field"])
+def test_conv_fused_equals_unfused(monkeypatch, dtype, routing, mode):
+    n, k, H, C = 24, 5, 2, 8
+    edge_index = fixed_degree_edge_index(n, k, seed=1)
+    torch.manual_seed(0)
+    conv = QSVConv(H * C, 6, heads=H, routing=routing, beta_init=1.7,
+                   quat_source="features" if mode == "features" else "given").to(dtype)
+    lead = (3, n) if mode == "batched-field" else (n, )
+    x = torch.randn(*lead, H * C, generator=gen(16), dtype=dtype, requires_grad=True)
+    quat = None if mode == "features" else torch.randn(n, H, 4, generator=gen(17), dtype=dtype)
+
+    calls = spy_fused(monkeypatch)
+    out, (_, alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
+    assert calls == [1]
+    g = grads(conv, x, out)
+
+    monkeypatch.setattr(QSVConv, "_use_fused", lambda self, *a: False)
+    ref, (_, ref_alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
+    assert calls == [1]
+    g_ref = grads(conv, x, ref)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def test_conv_unfused_cases(monkeypatch):
+    """Options the fused kernel does not cover take the general fixed-degree path."""
+    n, k, H, C = 20, 4, 2, 8
+    edge_index = fixed_degree_edge_index(n, k, seed=2)
+    x = torch.randn(n, H * C, generator=gen(18))
+    calls = spy_fused(monkeypatch)
+    for kwargs in (dict(routing="uniform"), dict(transport="identity"),
+                   dict(routing="geometric")):
+        conv = QSVConv(H * C, 4, heads=H, **kwargs)
+        conv(x, edge_index, pos=torch.randn(n, 3, generator=gen(19)))
+    conv = QSVConv(H * C, 4, heads=H, dropout=0.5).train()
+    conv(x, edge_index)
+    assert calls == []
+    conv.eval()(x, edge_index)  # dropout is off in eval: fused
+    assert calls == [1]
