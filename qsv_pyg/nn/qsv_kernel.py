@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..quaternion import block_matrix_to_quaternion_grad, quaternion_to_block_matrix
 from .fixed_degree import _csr_pattern, neighbor_dot
@@ -79,6 +80,7 @@ class _QSVAggregate(torch.autograd.Function):
         return z.view(n, H, m, 4), alpha.transpose(1, 2)
 
     @staticmethod
+    @once_differentiable  # the sparse products are not differentiated twice
     def backward(ctx, grad_z: Tensor, grad_alpha: Optional[Tensor]):
         v, q_src, q_dst, beta, nbr, rot_s, rot_d, u, y, dot, alpha = ctx.saved_tensors
         crow, col, crow_t, col_t, perm = ctx.pattern
