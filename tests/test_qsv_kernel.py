@@ -81,7 +81,8 @@ def literal(v, q_src, q_dst, beta, nbr, use_abs):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("use_abs", [False, True])
 @pytest.mark.parametrize("bipartite", [False, True])
-def test_matches_literal_formula(dtype, use_abs, bipartite):
+@pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
+def test_matches_literal_formula(dtype, use_abs, bipartite, comp):
     n_src, k, H, M = 30, 5, 3, 4
     n_dst = 12 if bipartite else n_src
     nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(4))
@@ -90,7 +91,12 @@ def test_matches_literal_formula(dtype, use_abs, bipartite):
     q_dst = random_unit_quaternion(n_dst, H, generator=gen(7), dtype=dtype) if bipartite \
         else None
     beta = torch.tensor([0.5, 2.0, 7.0], dtype=dtype)
-    z, alpha = qsv_aggregate(v, q_src, q_dst, beta, nbr, use_abs)
+    if comp:
+        z, alpha = qsv_aggregate(v.transpose(2, 3), q_src, q_dst, beta, nbr, use_abs,
+                                 component_major=True)
+        z = z.transpose(2, 3)
+    else:
+        z, alpha = qsv_aggregate(v, q_src, q_dst, beta, nbr, use_abs)
     ref_z, ref_alpha = literal(v, q_src, q_dst, beta, nbr, use_abs)
     torch.testing.assert_close(z, ref_z, **TOL[dtype])
     torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])
@@ -98,7 +104,8 @@ def test_matches_literal_formula(dtype, use_abs, bipartite):
 
 @pytest.mark.parametrize("use_abs", [False, True])
 @pytest.mark.parametrize("bipartite", [False, True])
-def test_gradcheck(use_abs, bipartite):
+@pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
+def test_gradcheck(use_abs, bipartite, comp):
     n_src, k, H, M = 16, 4, 2, 3
     n_dst = 9 if bipartite else n_src
     nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(8))
@@ -110,7 +117,8 @@ def test_gradcheck(use_abs, bipartite):
 
     def f(v, p_src, p_dst, beta):
         q_dst = unit_quaternion(p_dst) if bipartite else None
-        return qsv_aggregate(v, unit_quaternion(p_src), q_dst, beta, nbr, use_abs)
+        return qsv_aggregate(v.transpose(2, 3) if comp else v, unit_quaternion(p_src),
+                             q_dst, beta, nbr, use_abs, component_major=comp)
 
     # Both outputs (features and attention weights) carry gradients.
     assert torch.autograd.gradcheck(f, (v, p_src, p_dst, beta))
@@ -129,6 +137,7 @@ def test_only_needed_gradients():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(v=torch.randn(10, 2, 3)), "must be \\[N_src, H, M, 4\\]"),
+    (dict(v=torch.randn(10, 2, 3, 4), component_major=True), "must be \\[N_src, H, 4, M\\]"),
     (dict(q_src=torch.randn(10, 3, 4)), "must be \\[N_src, H, M, 4\\]"),
     (dict(q_dst=torch.randn(4, 2, 4)), "q_dst"),
     (dict(beta=torch.ones(3)), "beta"),
@@ -148,7 +157,7 @@ def spy_fused(monkeypatch):
     original = qsv_conv_module.qsv_aggregate
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(1 + int(kwargs.get("component_major", False)))  # 2: component-major
         return original(*args, **kwargs)
 
     monkeypatch.setattr(qsv_conv_module, "qsv_aggregate", spy)
@@ -163,25 +172,27 @@ def grads(conv, x, out):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("routing", ["learned", "abs"])
-@pytest.mark.parametrize("mode", ["features", "field", "batched-field"])
+@pytest.mark.parametrize("mode", ["features", "field", "batched-field", "wide-batched-field"])
 def test_conv_fused_equals_unfused(monkeypatch, dtype, routing, mode):
+    # "wide-batched-field" has 8 * 8 / 4 = 16 blocks per head: component-major.
     n, k, H, C = 24, 5, 2, 8
     edge_index = fixed_degree_edge_index(n, k, seed=1)
     torch.manual_seed(0)
     conv = QSVConv(H * C, 6, heads=H, routing=routing, beta_init=1.7,
                    quat_source="features" if mode == "features" else "given").to(dtype)
-    lead = (3, n) if mode == "batched-field" else (n, )
+    lead = {"batched-field": (3, n), "wide-batched-field": (8, n)}.get(mode, (n, ))
     x = torch.randn(*lead, H * C, generator=gen(16), dtype=dtype, requires_grad=True)
     quat = None if mode == "features" else torch.randn(n, H, 4, generator=gen(17), dtype=dtype)
 
     calls = spy_fused(monkeypatch)
     out, (_, alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
-    assert calls == [1]
+    expected = [2] if mode == "wide-batched-field" else [1]
+    assert calls == expected
     g = grads(conv, x, out)
 
     monkeypatch.setattr(QSVConv, "_use_fused", lambda self, *a: False)
     ref, (_, ref_alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
-    assert calls == [1]
+    assert calls == expected
     g_ref = grads(conv, x, ref)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])

@@ -25,7 +25,7 @@ from torch_geometric.utils import (
 from torch_geometric.utils.sparse import set_sparse_value
 
 from ..quaternion import hamilton_product, matrix_rotate_blocks, quaternion_to_matrix
-from .qsv_kernel import qsv_aggregate
+from .qsv_kernel import COMPONENT_MAJOR_MIN_BLOCKS, qsv_aggregate
 from .fixed_degree import (
     fixed_degree_neighbors,
     gather_rows,
@@ -495,7 +495,7 @@ class QSVConv(MessagePassing):
         dense_src = self._dense_neighbors(edge_index, num_dst)
         if dense_src is not None:
             z_nm, alpha = self._dense_aggregate(x_src, q_src, q_dst, pos_pair, dense_src)
-            n, _, b, _ = z_nm.shape  # node-major [N_dst, H, B, C]
+            n, b = z_nm.size(0), z_nm.size(2)  # node-major [N_dst, H, B, C (or C/4, 4)]
             z_h = z_nm.transpose(0, 1).reshape(H, n * b, C)
             lead_out = (*x_src.shape[:-2], n)
         else:
@@ -688,16 +688,26 @@ class QSVConv(MessagePassing):
     def _fused_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: Tensor,
                          nbr: Tensor) -> Tuple[Tensor, Tensor]:
         """The fixed-degree aggregation as one autograd node; same returns as
-        :meth:`_dense_aggregate` (``z`` node-major ``[N_dst, H, B, C]``)."""
+        :meth:`_dense_aggregate` (``z`` node-major ``[N_dst, H, B, C]``, here
+        possibly a strided view)."""
         H = self.heads
         C = x_src.size(-1) // H
         b = x_src.numel() // max(x_src.size(-1) * x_src.size(-2), 1) if x_src.dim() == 3 else 1
-        n_src = x_src.size(-2)
-        v = x_src.reshape(b, n_src, H, C).permute(1, 2, 0, 3)  # [N, H, B, C]
-        z, alpha = qsv_aggregate(v.reshape(n_src, H, b * C // 4, 4), q_src,
+        n_src, n_dst = x_src.size(-2), nbr.size(0)
+        blocks = b * C // 4
+        comp = blocks >= COMPONENT_MAJOR_MIN_BLOCKS
+        x5 = x_src.reshape(b, n_src, H, C // 4, 4)
+        # [N, H, B, C/4, 4] (block-major) or [N, H, 4, B, C/4] (component-major)
+        v = x5.permute(1, 2, 4, 0, 3) if comp else x5.permute(1, 2, 0, 3, 4)
+        shape = (n_src, H, 4, blocks) if comp else (n_src, H, blocks, 4)
+        z, alpha = qsv_aggregate(v.reshape(shape), q_src,
                                  None if q_dst is q_src else q_dst, self.beta, nbr,
-                                 use_abs=self.routing == "abs")
-        return z.view(nbr.size(0), H, b, C), alpha.reshape(-1, H)
+                                 use_abs=self.routing == "abs", component_major=comp)
+        if comp:  # back to [N, H, B, C/4, 4] as a view; the caller's reshape copies once
+            z = z.view(n_dst, H, 4, b, C // 4).permute(0, 1, 3, 4, 2)
+        else:
+            z = z.view(n_dst, H, b, C // 4, 4)
+        return z, alpha.reshape(-1, H)
 
     @staticmethod
     def _rotate_node_major(rot: Tensor, v: Tensor) -> Tensor:
