@@ -22,7 +22,8 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, median_time, memory_of, resolve_device, write_json  # noqa: E402
+from common import (interleaved_median_times, machine_info, memory_of,  # noqa: E402
+                    resolve_device, write_json)
 
 from torch_geometric.nn import GATConv, GATv2Conv, SimpleConv, TransformerConv  # noqa: E402
 
@@ -59,34 +60,37 @@ def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
     edge_index = knn_within(pos, k).to(device)
     x = torch.randn(n, channels, generator=gen).to(device)
     quat = torch.randn(n, heads, 4, generator=gen).to(device)
-    results: Dict[str, Dict[str, float]] = {}
+    fwd: Dict[str, Callable[[], None]] = {}
+    fwd_bwd: Dict[str, Callable[[], None]] = {}
+    runs: Dict[str, Callable[[], torch.Tensor]] = {}
     for name in layers:
         torch.manual_seed(seed)
         layer = make_layer(name, channels, heads).to(device)
         xin = x.clone().requires_grad_(True)
 
-        def run() -> torch.Tensor:
+        def run(layer=layer, xin=xin, name=name) -> torch.Tensor:
             if name == "qsv-field":
                 return layer(xin, edge_index, quat=quat)
             return layer(xin, edge_index)
 
-        def fwd() -> None:
+        def forward(run=run) -> None:
             with torch.no_grad():
                 run()
 
-        def fwd_bwd() -> None:
+        def forward_backward(run=run, xin=xin, layer=layer) -> None:
             out = run()
             out.sum().backward()
             xin.grad = None
             layer.zero_grad(set_to_none=True)
 
-        res = {
-            "forward_ms": 1e3 * median_time(fwd, device, repeats, min_time=min_time),
-            "fwd_bwd_ms": 1e3 * median_time(fwd_bwd, device, repeats, min_time=min_time),
-        }
-        res.update(memory_of(lambda: run().sum(), device))
-        xin.grad = None
-        results[name] = res
+        runs[name], fwd[name], fwd_bwd[name] = run, forward, forward_backward
+    # Layers alternate within every round of timing (see interleaved_median_times).
+    t_fwd = interleaved_median_times(fwd, device, repeats, min_time=min_time)
+    t_fwd_bwd = interleaved_median_times(fwd_bwd, device, repeats, min_time=min_time)
+    results: Dict[str, Dict[str, float]] = {}
+    for name in layers:
+        results[name] = {"forward_ms": 1e3 * t_fwd[name], "fwd_bwd_ms": 1e3 * t_fwd_bwd[name]}
+        results[name].update(memory_of(lambda: runs[name]().sum(), device))
     return results
 
 

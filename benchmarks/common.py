@@ -41,6 +41,35 @@ def median_time(fn: Callable[[], None], device: torch.device, repeats: int,
     return statistics.median(times)
 
 
+def interleaved_median_times(fns: Dict[str, Callable[[], None]], device: torch.device,
+                             repeats: int, warmup: int = 2,
+                             min_time: float = 0.0) -> Dict[str, float]:
+    """Median wall time (seconds) of every function, measured round-robin.
+
+    Each round runs every function once, so a burst of load on a shared machine
+    slows all of them alike and the ratios between them stay honest; rounds
+    continue until each function ran ``repeats`` times and the rounds took
+    ``min_time`` per function in total (capped at ``10 * repeats`` rounds).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: Dict[str, list] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or (time.perf_counter() - start) < min_time * len(fns):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+        if rounds >= 10 * max(repeats, 1):
+            break
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def memory_of(fn: Callable[[], torch.Tensor], device: torch.device) -> Dict[str, float]:
     """Memory of one forward (+ backward of the returned scalar) in MiB."""
     if device.type == "cuda":

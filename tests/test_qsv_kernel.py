@@ -251,3 +251,17 @@ def test_double_backward_is_refused_clearly():
     (g, ) = torch.autograd.grad(z.pow(2).sum(), v, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         g.sum().backward()
+
+
+def test_conv_under_cpu_autocast_takes_the_general_path(monkeypatch):
+    n, k, H, C = 20, 4, 2, 8
+    edge_index = fixed_degree_edge_index(n, k, seed=3)
+    x = torch.randn(n, H * C, generator=gen(24))
+    conv = QSVConv(H * C, 4, heads=H)
+    calls = spy_fused(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(x, edge_index)
+    assert calls == [] and torch.isfinite(out).all()
+    ref = conv(x, edge_index)
+    assert calls == [1]
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)

@@ -100,7 +100,8 @@ def weighted_neighbor_sum(alpha: Tensor, v: Tensor, nbr: Tensor) -> Tensor:
         raise ValueError(f"weighted_neighbor_sum: alpha {tuple(alpha.shape)} does not fit "
                          f"nbr {tuple(nbr.shape)} and v {tuple(v.shape)}")
     if alpha.dim() == 3 and v.is_floating_point() and alpha.dtype == v.dtype \
-            and v.dtype in (torch.float32, torch.float64) and not is_compiling():
+            and v.dtype in (torch.float32, torch.float64) and not is_compiling() \
+            and not torch.is_autocast_enabled(v.device.type):  # CSR matmul: no bf16/fp16
         # One weight for all trailing dims: a sparse matrix per head (SpMM).
         return _SparseWeightedSum.apply(alpha, v.contiguous(), nbr)
     return _WeightedNeighborSum.apply(alpha, v, nbr)
@@ -144,6 +145,10 @@ def _csr_pattern(nbr: Tensor, heads: int, num_src: int) -> Tuple[Tensor, ...]:
     crow_t = torch.zeros(num_src * heads + 1, dtype=torch.long, device=dev)
     crow_t[1:] = counts.cumsum(0)
     col_t = row[perm]
+    if crow.numel() < 2**31 and col.numel() < 2**31 and num_src * heads < 2**31:
+        # MKL's sparse kernels take 32-bit indices; int64 ones are converted on
+        # every call (half the time of a small SpMM, measured).
+        crow, col, crow_t, col_t = (t.to(torch.int32) for t in (crow, col, crow_t, col_t))
     hit = (crow, col, crow_t, col_t, perm)
     # The entry keeps `nbr` (hence its storage) alive, so no other tensor can
     # be allocated at the same address while the key is cached.
@@ -246,6 +251,7 @@ def neighbor_dot(a: Tensor, b: Tensor, nbr: Tensor) -> Tensor:
     # 8.8 ms vs 13.2 ms by SDDMM, 8.4M pairs 135 ms vs 99 ms.
     big = nbr.numel() * a.size(-2) * max(1, a.size(-1) // 4) >= _SDDMM_MIN_PAIRS
     if big and a.dim() == 3 and b.dim() == 3 and a.dtype == b.dtype \
-            and a.dtype in (torch.float32, torch.float64) and not is_compiling():
+            and a.dtype in (torch.float32, torch.float64) and not is_compiling() \
+            and not torch.is_autocast_enabled(a.device.type):
         return _SparseEdgeDot.apply(a.contiguous(), b.contiguous(), nbr)
     return (a.unsqueeze(-3) * gather_rows(b, nbr, -3)).sum(dim=-1)

@@ -122,8 +122,12 @@ class QSVConv(MessagePassing):
 
     When every target has exactly :math:`k` incoming edges stored contiguously
     in target order (the kNN graphs of :mod:`qsv_pyg.geometry`), a fixed-degree
-    path gathers ``[N, k, H, C]`` neighbours and applies the softmax over
-    :math:`k` with no scatter (deterministic); see ``dense_path``.
+    path applies the softmax over :math:`k` with no scatter (deterministic);
+    see ``dense_path``. With learned (or ``"abs"``) routing, the sandwich
+    transport, a routing shared by the batch and no attention dropout, that
+    path is one autograd node with a hand-written backward
+    (:func:`~qsv_pyg.nn.qsv_kernel.qsv_aggregate`: batched 4x4 rotations and
+    sparse products, nothing of size ``[E, H, C]`` stored).
 
     Args:
         in_channels (int or tuple): Size of each input sample, or :obj:`-1` to
@@ -678,12 +682,16 @@ class QSVConv(MessagePassing):
     def _use_fused(self, x_src: Tensor, q_src: Tensor, q_dst: OptTensor) -> bool:
         """Whether :func:`~qsv_pyg.nn.qsv_kernel.qsv_aggregate` computes this call:
         learned routing with the sandwich transport, a routing shared by the
-        batch (quaternions ``[N, H, 4]``), no attention dropout, eager mode."""
+        batch (quaternions ``[N, H, 4]``), no attention dropout, eager mode
+        without autocast."""
         return (self.routing in ("learned", "abs") and self.transport == "sandwich"
                 and q_dst is not None and q_src.dim() == 3 and q_dst.dim() == 3
                 and not (self.training and self.dropout > 0)
                 and x_src.dtype in (torch.float32, torch.float64)
-                and q_src.dtype == x_src.dtype and not is_compiling())
+                and q_src.dtype == x_src.dtype and not is_compiling()
+                # its sparse products take one dtype; under autocast the
+                # matmuls would change it midway
+                and not torch.is_autocast_enabled(x_src.device.type))
 
     def _fused_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: Tensor,
                          nbr: Tensor) -> Tuple[Tensor, Tensor]:
