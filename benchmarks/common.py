@@ -42,14 +42,16 @@ def median_time(fn: Callable[[], None], device: torch.device, repeats: int,
 
 
 def interleaved_median_times(fns: Dict[str, Callable[[], None]], device: torch.device,
-                             repeats: int, warmup: int = 2,
-                             min_time: float = 0.0) -> Dict[str, float]:
-    """Median wall time (seconds) of every function, measured round-robin.
+                             repeats: int, warmup: int = 2, min_time: float = 0.0,
+                             inner: int = 3) -> Dict[str, float]:
+    """Median wall time (seconds) of one call of every function, measured round-robin.
 
-    Each round runs every function once, so a burst of load on a shared machine
-    slows all of them alike and the ratios between them stay honest; rounds
-    continue until each function ran ``repeats`` times and the rounds took
-    ``min_time`` per function in total (capped at ``10 * repeats`` rounds).
+    Each round runs every function ``inner`` times in a row (each call timed),
+    so a burst of load on a shared machine slows all of them alike and the
+    ratios between them stay honest, while the first call after a switch (cold
+    caches) does not set the median; rounds continue until each function ran
+    ``repeats`` rounds and the rounds took ``min_time`` per function in total
+    (capped at ``10 * repeats`` rounds).
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -60,10 +62,11 @@ def interleaved_median_times(fns: Dict[str, Callable[[], None]], device: torch.d
     rounds = 0
     while rounds < repeats or (time.perf_counter() - start) < min_time * len(fns):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(inner):
+                t0 = time.perf_counter()
+                fn()
+                sync(device)
+                times[name].append(time.perf_counter() - t0)
         rounds += 1
         if rounds >= 10 * max(repeats, 1):
             break
