@@ -254,4 +254,26 @@ def neighbor_dot(a: Tensor, b: Tensor, nbr: Tensor) -> Tensor:
             and a.dtype in (torch.float32, torch.float64) and not is_compiling() \
             and not torch.is_autocast_enabled(a.device.type):
         return _SparseEdgeDot.apply(a.contiguous(), b.contiguous(), nbr)
+    if a.dim() == 3 and b.dim() == 3:
+        # Sum the products over each head's D channels with a matmul by a 0/1
+        # [H*D, H] matrix: a reduction over a last dim of 4 is slow on CPU
+        # (16k nodes, k = 16: 1.9 ms vs 2.9 ms, measured).
+        n, k = nbr.shape
+        heads, d = a.shape[1:]
+        b_nbr = b.reshape(b.size(0), heads * d).index_select(0, nbr.reshape(-1))
+        prod = b_nbr.view(n, k, heads * d) * a.reshape(n, 1, heads * d)
+        return (prod.view(n * k, heads * d) @ _head_sum_matrix(heads, d, a)).view(n, k, heads)
     return (a.unsqueeze(-3) * gather_rows(b, nbr, -3)).sum(dim=-1)
+
+
+_HEAD_SUM: dict = {}
+
+
+def _head_sum_matrix(heads: int, d: int, ref: Tensor) -> Tensor:
+    """``[heads * d, heads]`` with ones where channel ``c`` belongs to head ``h``."""
+    key = (heads, d, ref.dtype, ref.device)
+    m = _HEAD_SUM.get(key)
+    if m is None:
+        m = _HEAD_SUM[key] = torch.eye(heads, dtype=ref.dtype, device=ref.device) \
+            .repeat_interleave(d, dim=0)
+    return m
