@@ -265,3 +265,22 @@ def test_conv_under_cpu_autocast_takes_the_general_path(monkeypatch):
     ref = conv(x, edge_index)
     assert calls == [1]
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
+
+
+def test_out_of_range_neighbours_are_rejected():
+    n, k, H = 5, 2, 1
+    nbr = torch.tensor([[0, 1]] * 4 + [[0, 7]])
+    with pytest.raises(ValueError, match="neighbour indices must lie in \\[0, 5\\)"):
+        qsv_aggregate(torch.randn(n, H, 1, 4), random_unit_quaternion(n, H), None,
+                      torch.ones(H), nbr)
+
+
+def test_only_attention_weights_used():
+    """Backward when only the attention weights are used: gradients reach q and beta."""
+    n, k, H, M = 10, 3, 2, 2
+    nbr = torch.randint(0, n, (n, k), generator=gen(33))
+    v = torch.randn(n, H, M, 4, generator=gen(34), dtype=torch.float64, requires_grad=True)
+    p = torch.randn(n, H, 4, generator=gen(35), dtype=torch.float64, requires_grad=True)
+    beta = torch.ones(H, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda p, b: qsv_aggregate(v.detach(), unit_quaternion(p), None, b, nbr)[1], (p, beta))

@@ -135,6 +135,10 @@ def _csr_pattern(nbr: Tensor, heads: int, num_src: int) -> Tuple[Tensor, ...]:
         _PATTERNS.move_to_end(key)
         return hit[:5]
     n, k = nbr.shape
+    if nbr.numel() and (int(nbr.min()) < 0 or int(nbr.max()) >= num_src):
+        # Checked once per graph (the pattern is cached): the C++ kernel trusts it.
+        raise ValueError(f"neighbour indices must lie in [0, {num_src}); got "
+                         f"[{int(nbr.min())}, {int(nbr.max())}]")
     dev = nbr.device
     h = torch.arange(heads, device=dev)
     crow = torch.arange(0, n * heads * k + 1, k, device=dev)
