@@ -688,7 +688,7 @@ class QSVConv(MessagePassing):
                 and q_dst is not None and q_src.dim() == 3 and q_dst.dim() == 3
                 and not (self.training and self.dropout > 0)
                 and x_src.dtype in (torch.float32, torch.float64)
-                and q_src.dtype == x_src.dtype and not is_compiling()
+                and q_src.dtype == q_dst.dtype == x_src.dtype and not is_compiling()
                 # its sparse products take one dtype; under autocast the
                 # matmuls would change it midway
                 and not torch.is_autocast_enabled(x_src.device.type))
