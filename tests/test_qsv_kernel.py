@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import qsv_pyg.nn._cpu_ext as cpu_ext
 import qsv_pyg.nn.qsv_conv as qsv_conv_module
 from qsv_pyg.nn import QSVConv, unit_quaternion
 from qsv_pyg.nn.qsv_kernel import qsv_aggregate, softmax_last
@@ -24,6 +25,16 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5),
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def impl(request, monkeypatch):
+    """Run a test with the C++ CPU kernel and with the PyTorch path."""
+    if request.param == "torch":
+        monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "0")
+    elif cpu_ext.cpu_kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    return request.param
 
 
 # ------------------------------------------------------------- block matrix
@@ -82,7 +93,7 @@ def literal(v, q_src, q_dst, beta, nbr, use_abs):
 @pytest.mark.parametrize("use_abs", [False, True])
 @pytest.mark.parametrize("bipartite", [False, True])
 @pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
-def test_matches_literal_formula(dtype, use_abs, bipartite, comp):
+def test_matches_literal_formula(dtype, use_abs, bipartite, comp, impl):
     n_src, k, H, M = 30, 5, 3, 4
     n_dst = 12 if bipartite else n_src
     nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(4))
@@ -105,7 +116,7 @@ def test_matches_literal_formula(dtype, use_abs, bipartite, comp):
 @pytest.mark.parametrize("use_abs", [False, True])
 @pytest.mark.parametrize("bipartite", [False, True])
 @pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
-def test_gradcheck(use_abs, bipartite, comp):
+def test_gradcheck(use_abs, bipartite, comp, impl):
     n_src, k, H, M = 16, 4, 2, 3
     n_dst = 9 if bipartite else n_src
     nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(8))
@@ -124,7 +135,7 @@ def test_gradcheck(use_abs, bipartite, comp):
     assert torch.autograd.gradcheck(f, (v, p_src, p_dst, beta))
 
 
-def test_only_needed_gradients():
+def test_only_needed_gradients(impl):
     n, k, H, M = 10, 3, 2, 2
     nbr = torch.randint(0, n, (n, k), generator=gen(13))
     v = torch.randn(n, H, M, 4, generator=gen(14), requires_grad=True)
@@ -173,7 +184,7 @@ def grads(conv, x, out):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("routing", ["learned", "abs"])
 @pytest.mark.parametrize("mode", ["features", "field", "batched-field", "wide-batched-field"])
-def test_conv_fused_equals_unfused(monkeypatch, dtype, routing, mode):
+def test_conv_fused_equals_unfused(monkeypatch, dtype, routing, mode, impl):
     # "wide-batched-field" has 8 * 8 / 4 = 16 blocks per head: component-major.
     n, k, H, C = 24, 5, 2, 8
     edge_index = fixed_degree_edge_index(n, k, seed=1)
@@ -242,7 +253,7 @@ def test_unit_quaternion_gradient():
         unit_quaternion(torch.randn(3, 5))
 
 
-def test_double_backward_is_refused_clearly():
+def test_double_backward_is_refused_clearly(impl):
     n, k, H, M = 8, 3, 1, 1
     nbr = torch.randint(0, n, (n, k), generator=gen(22))
     v = torch.randn(n, H, M, 4, requires_grad=True)
@@ -275,7 +286,7 @@ def test_out_of_range_neighbours_are_rejected():
                       torch.ones(H), nbr)
 
 
-def test_only_attention_weights_used():
+def test_only_attention_weights_used(impl):
     """Backward when only the attention weights are used: gradients reach q and beta."""
     n, k, H, M = 10, 3, 2, 2
     nbr = torch.randint(0, n, (n, k), generator=gen(33))
@@ -284,3 +295,35 @@ def test_only_attention_weights_used():
     beta = torch.ones(H, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda p, b: qsv_aggregate(v.detach(), unit_quaternion(p), None, b, nbr)[1], (p, beta))
+
+
+def test_cpp_kernel_is_used_on_cpu_when_available():
+    from qsv_pyg.nn.qsv_kernel import _kernel_for
+    if cpu_ext.cpu_kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    v, q, beta = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 4), torch.ones(2)
+    nbr = torch.zeros(6, 2, dtype=torch.long)
+    crow_t = torch.zeros(13, dtype=torch.int32)
+    assert _kernel_for(v, q, q, beta, nbr, crow_t, comp=False) is cpu_ext.cpu_kernel()
+    assert _kernel_for(v, q, q, beta, nbr, crow_t, comp=True) is None
+    assert _kernel_for(v.double(), q, q, beta, nbr, crow_t, comp=False) is None  # mixed dtypes
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(cpu_ext, "_STATE", {"tried": False, "module": None, "error": None})
+    with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
+        assert cpu_ext.cpu_kernel() is None
+    assert cpu_ext.cpu_kernel() is None  # not retried
+    n, k, H, M = 12, 3, 2, 2
+    nbr = torch.randint(0, n, (n, k), generator=gen(30))
+    v = torch.randn(n, H, M, 4, generator=gen(31))
+    q = random_unit_quaternion(n, H, generator=gen(32))
+    z, _ = qsv_aggregate(v, q, None, torch.ones(H), nbr)
+    ref_z, _ = literal(v, q, None, torch.ones(H), nbr, False)
+    torch.testing.assert_close(z, ref_z, **TOL[torch.float32])

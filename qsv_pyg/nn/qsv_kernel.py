@@ -20,8 +20,12 @@ softmax, one sparse matrix product) and the backward is written out by hand
 gradient, two narrow SpMMs for the logits and two batched matmuls for the
 rotations). Nothing of size ``[E, H, C]`` is stored.
 
+On CPU, for the block-major layout, the same arithmetic runs in a C++ kernel
+(:mod:`qsv_pyg.nn._cpu_ext`, two OpenMP passes, compiled on first use) when it
+can be built; otherwise, and on other devices, in the PyTorch operations below.
+
 The gradient is checked against autograd of the unfused operations
-(``tests/test_qsv_kernel.py``, ``gradcheck`` in float64).
+(``tests/test_qsv_kernel.py``, ``gradcheck`` in float64, both implementations).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..quaternion import block_matrix_to_quaternion_grad, quaternion_to_block_matrix
+from ._cpu_ext import cpu_kernel
 from .fixed_degree import _csr_pattern, neighbor_dot
 
 
@@ -87,6 +92,18 @@ class _QSVAggregate(torch.autograd.Function):
         crow, col, crow_t, col_t, perm = _csr_pattern(nbr, H, ns)
         rot_s = quaternion_to_block_matrix(q_src).view(ns * H, 4, 4)
         rot_d = rot_s if same else quaternion_to_block_matrix(qd).view(n * H, 4, 4)
+        ctx.set_materialize_grads(False)
+        ctx.use_abs, ctx.comp = use_abs, comp
+        ctx.pattern = (crow, col, crow_t, col_t, perm)
+        ext = _kernel_for(v, q_src, qd, beta, nbr, crow_t, comp)
+        ctx.ext = ext
+        if ext is not None:
+            # The C++ kernel: the same arithmetic in two passes; dot is [n, H, k] here.
+            z, alpha, u, y, dot = ext.forward(v, rot_s, rot_d, q_src, qd, beta.contiguous(),
+                                              nbr.contiguous(), use_abs)
+            ctx.save_for_backward(v, q_src, q_dst, beta, nbr, rot_s,
+                                  None if same else rot_d, u, y, dot, alpha)
+            return z, alpha.transpose(1, 2)
         vf = v.view(ns * H, *v.shape[2:])
         u = _apply(rot_s, vf, False, comp)  # rotate every source once by q_j
         dot = neighbor_dot(qd, q_src, nbr)  # [n, k, H], Re(q_i* q_j)
@@ -98,13 +115,11 @@ class _QSVAggregate(torch.autograd.Function):
         z = _apply(rot_d, y, True, comp)  # rotate back by q_i*
         ctx.save_for_backward(v, q_src, q_dst, beta, nbr, rot_s,
                               None if same else rot_d, u, y, dot, alpha)
-        ctx.use_abs, ctx.comp = use_abs, comp
-        ctx.pattern = (crow, col, crow_t, col_t, perm)
         return z.view(n, H, *v.shape[2:]), alpha.transpose(1, 2)
 
     @staticmethod
     @once_differentiable  # the sparse products are not differentiated twice
-    def backward(ctx, grad_z: Tensor, grad_alpha: Optional[Tensor]):
+    def backward(ctx, grad_z: Optional[Tensor], grad_alpha: Optional[Tensor]):
         v, q_src, q_dst, beta, nbr, rot_s, rot_d, u, y, dot, alpha = ctx.saved_tensors
         crow, col, crow_t, col_t, perm = ctx.pattern
         comp = ctx.comp
@@ -118,6 +133,21 @@ class _QSVAggregate(torch.autograd.Function):
         shape, shape_t = (n * H, ns * H), (ns * H, n * H)
         need_q = need_qs or need_qd
         gv = gqs = gqd = gbeta = None
+        if grad_z is None:  # only the attention weights were used
+            grad_z = v.new_zeros(n, H, *v.shape[2:])
+
+        if ctx.ext is not None:
+            g_alpha = None if grad_alpha is None else grad_alpha.transpose(1, 2).contiguous()
+            gv, gqs, gqd, g_rot_s, g_rot_d, gbeta = ctx.ext.backward(
+                grad_z.contiguous(), g_alpha, v, rot_s, rot_d, q_src, qd, beta.contiguous(),
+                nbr.contiguous(), alpha, dot, u, y, crow_t, col_t, perm, ctx.use_abs,
+                bool(need_v), bool(need_q))
+            if need_q:
+                gqs, gqd = _quaternion_grads(q_src, qd, same, gqs, gqd, g_rot_s, g_rot_d)
+            else:
+                gqs = gqd = None
+            return (gv if need_v else None, gqs, gqd, gbeta if need_beta else None,
+                    None, None, None)
 
         gz = grad_z.contiguous().view(n * H, *v.shape[2:])
         gy = _apply(rot_d, gz, False, comp)
@@ -149,16 +179,38 @@ class _QSVAggregate(torch.autograd.Function):
             vf = v.view(ns * H, *v.shape[2:])
             g_rot_s = _outer(gu, vf, comp)  # u = Q_j v
             g_rot_d = _outer(y, gz, comp)   # z = Q_i^T y
-            if same:
-                gqs = (gqs + gqd).view(q_src.shape) + block_matrix_to_quaternion_grad(
-                    q_src, (g_rot_s + g_rot_d).view(ns, H, 4, 4))
-                gqd = None
-            else:
-                gqs = gqs.view(q_src.shape) + block_matrix_to_quaternion_grad(
-                    q_src, g_rot_s.view(ns, H, 4, 4))
-                gqd = gqd.view(qd.shape) + block_matrix_to_quaternion_grad(
-                    qd, g_rot_d.view(n, H, 4, 4))
+            gqs, gqd = _quaternion_grads(q_src, qd, same, gqs, gqd, g_rot_s, g_rot_d)
         return gv, gqs, gqd, gbeta, None, None, None
+
+
+def _quaternion_grads(q_src: Tensor, q_dst: Tensor, same: bool, g_dot_src: Tensor,
+                      g_dot_dst: Tensor, g_rot_s: Tensor, g_rot_d: Tensor
+                      ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Source and target quaternion gradients from the logit part (``g_dot_*``,
+    ``N * H`` rows of 4) and the rotation part (``g_rot_*``, ``N * H`` 4x4)."""
+    ns, H = q_src.shape[:2]
+    n = q_dst.size(0)
+    if same:
+        gq = (g_dot_src + g_dot_dst).view(q_src.shape) + block_matrix_to_quaternion_grad(
+            q_src, (g_rot_s + g_rot_d).view(ns, H, 4, 4))
+        return gq, None
+    gqs = g_dot_src.view(q_src.shape) + block_matrix_to_quaternion_grad(
+        q_src, g_rot_s.view(ns, H, 4, 4))
+    gqd = g_dot_dst.view(q_dst.shape) + block_matrix_to_quaternion_grad(
+        q_dst, g_rot_d.view(n, H, 4, 4))
+    return gqs, gqd
+
+
+def _kernel_for(v: Tensor, q_src: Tensor, q_dst: Tensor, beta: Tensor, nbr: Tensor,
+                crow_t: Tensor, comp: bool):
+    """The C++ module when it applies (CPU, block-major, one dtype), else None."""
+    if comp or v.device.type != "cpu" or nbr.dtype != torch.long \
+            or crow_t.dtype != torch.int32:
+        return None
+    if not (v.dtype == q_src.dtype == q_dst.dtype == beta.dtype) \
+            or v.dtype not in (torch.float32, torch.float64):
+        return None
+    return cpu_kernel()
 
 
 def qsv_aggregate(v: Tensor, q_src: Tensor, q_dst: Optional[Tensor], beta: Tensor,
