@@ -315,6 +315,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
+    monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "1")
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(cpu_ext, "_STATE", {"tried": False, "module": None, "error": None})
     with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
