@@ -9,8 +9,8 @@
 //
 // Shapes (contiguous; T = float or double):
 //   v, u             [Ns, H, M, 4]    source features, rotated sources
-//   Qs / Qd          [Ns|Nd, H, 4, 4] diag(1, R(q)) per node and head
-//   qs / qd          [Ns|Nd, H, 4]    unit quaternions
+//   qs / qd          [Ns|Nd, H, 4]    unit quaternions (Q = diag(1, R(q)) is
+//                                     computed on the fly, 16 multiply-adds)
 //   beta             [H]
 //   nbr              [Nd, k] int64    source of the k-th edge into each target
 //   y, z, gy         [Nd, H, M, 4]
@@ -26,6 +26,32 @@
 #include <vector>
 
 namespace {
+
+// Q = diag(1, R(q)) written as quadratic forms of q = (w, x, y, z), exactly as
+// qsv_pyg.quaternion.quaternion_to_block_matrix (Q[0][0] = |q|^2), row-major.
+template <typename T>
+inline void block_matrix(const T* q, T* Q) {
+  const T w = q[0], x = q[1], y = q[2], z = q[3];
+  const T ww = w * w, xx = x * x, yy = y * y, zz = z * z;
+  Q[0] = ww + xx + yy + zz; Q[1] = Q[2] = Q[3] = Q[4] = Q[8] = Q[12] = 0;
+  Q[5] = ww + xx - yy - zz; Q[6] = 2 * (x * y - w * z); Q[7] = 2 * (x * z + w * y);
+  Q[9] = 2 * (x * y + w * z); Q[10] = ww - xx + yy - zz; Q[11] = 2 * (y * z - w * x);
+  Q[13] = 2 * (x * z - w * y); Q[14] = 2 * (y * z + w * x); Q[15] = ww - xx - yy + zz;
+}
+
+// out += dL/dq given G = dL/dQ (row-major 4x4), the derivative of block_matrix.
+template <typename T>
+inline void add_block_matrix_grad(const T* q, const T* G, T* out) {
+  const T w = q[0], x = q[1], y = q[2], z = q[3];
+  out[0] += 2 * (w * (G[0] + G[5] + G[10] + G[15]) - z * G[6] + y * G[7] + z * G[9] -
+                 x * G[11] - y * G[13] + x * G[14]);
+  out[1] += 2 * (x * (G[0] + G[5] - G[10] - G[15]) + y * G[6] + z * G[7] + y * G[9] -
+                 w * G[11] + z * G[13] + w * G[14]);
+  out[2] += 2 * (y * (G[0] - G[5] + G[10] - G[15]) + x * G[6] + w * G[7] + x * G[9] +
+                 z * G[11] - w * G[13] + z * G[14]);
+  out[3] += 2 * (z * (G[0] - G[5] - G[10] + G[15]) - w * G[6] + x * G[7] + w * G[9] +
+                 y * G[11] + x * G[13] + y * G[14]);
+}
 
 // y = sum_e w[e] * u[row(nb[e], h)], a row of blk values; the common widths
 // accumulate in registers (a fixed-size local array) instead of in memory.
@@ -61,14 +87,15 @@ inline void weighted_rows(const T* w, const int64_t* nb, const T* u, int64_t H, 
 }
 
 template <typename T>
-void forward_impl(const T* v, const T* Qs, const T* Qd, const T* qs, const T* qd,
-                  const T* beta, const int64_t* nbr, int64_t Ns, int64_t Nd, int64_t H,
-                  int64_t M, int64_t k, bool use_abs, T* u, T* y, T* z, T* alpha, T* dot) {
+void forward_impl(const T* v, const T* qs, const T* qd, const T* beta, const int64_t* nbr,
+                  int64_t Ns, int64_t Nd, int64_t H, int64_t M, int64_t k, bool use_abs,
+                  T* u, T* y, T* z, T* alpha, T* dot) {
   const int64_t blk = M * 4;
-  // u_m = Q v_m for every block of every source row (j, h).
+  // u_m = Q_j v_m for every block of every source row (j, h).
   at::parallel_for(0, Ns * H, 64, [&](int64_t begin, int64_t end) {
+    T Q[16];
     for (int64_t r = begin; r < end; ++r) {
-      const T* Q = Qs + r * 16;
+      block_matrix(qs + r * 4, Q);
       const T* x = v + r * blk;
       T* o = u + r * blk;
       for (int64_t m = 0; m < M; ++m, x += 4, o += 4) {
@@ -80,6 +107,7 @@ void forward_impl(const T* v, const T* Qs, const T* Qd, const T* qs, const T* qd
     }
   });
   at::parallel_for(0, Nd, 16, [&](int64_t begin, int64_t end) {
+    T Q[16];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* nb = nbr + i * k;
       for (int64_t h = 0; h < H; ++h) {
@@ -102,11 +130,11 @@ void forward_impl(const T* v, const T* Qs, const T* Qd, const T* qs, const T* qd
           sum += al[e];
         }
         const T inv = T(1) / sum;
-        T* yr = y + row * blk;
         for (int64_t e = 0; e < k; ++e) al[e] *= inv;
+        T* yr = y + row * blk;
         weighted_rows<T>(al, nb, u, H, h, blk, k, yr);
         // z_m = Q_i^T y_m (rotate back by q_i*).
-        const T* Q = Qd + row * 16;
+        block_matrix(qi, Q);
         T* zr = z + row * blk;
         for (int64_t m = 0; m < M; ++m) {
           const T* ym = yr + 4 * m;
@@ -121,22 +149,24 @@ void forward_impl(const T* v, const T* Qs, const T* Qd, const T* qs, const T* qd
 }
 
 template <typename T>
-void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const T* Qd,
-                   const T* qs, const T* qd, const T* beta, const int64_t* nbr,
-                   const T* alpha, const T* dot, const T* u, const T* y,
-                   const int32_t* crow_t, const int32_t* col_t, const int64_t* perm,
-                   int64_t Ns, int64_t Nd, int64_t H, int64_t M, int64_t k, bool use_abs,
-                   bool need_v, bool need_q, T* gy, T* gd, T* gbeta_part, T* gqd, T* gQd,
-                   T* gv, T* gqs, T* gQs) {
+void backward_impl(const T* gz, const T* galpha, const T* v, const T* qs, const T* qd,
+                   const T* beta, const int64_t* nbr, const T* alpha, const T* dot,
+                   const T* u, const T* y, const int32_t* crow_t, const int32_t* col_t,
+                   const int64_t* perm, int64_t Ns, int64_t Nd, int64_t H, int64_t M,
+                   int64_t k, bool use_abs, bool need_v, bool need_q, T* gy, T* gd,
+                   T* gbeta_part, T* gqd, T* gv, T* gqs) {
   const int64_t blk = M * 4;
-  // Pass A, per target row (i, h): gy = Q_i gz, softmax backward, logit gradients.
+  // Pass A, per target row (i, h): gy = Q_i gz, softmax backward, logit gradients,
+  // and the target quaternion's gradient (logits + rotation back).
   at::parallel_for(0, Nd, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> ga(k);
+    T Q[16], G[16];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* nb = nbr + i * k;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t row = i * H + h;
-        const T* Q = Qd + row * 16;
+        const T* qi = qd + row * 4;
+        block_matrix(qi, Q);
         const T* g = gz + row * blk;
         T* gyr = gy + row * blk;
         for (int64_t m = 0; m < M; ++m) {
@@ -175,7 +205,6 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
             for (int c = 0; c < 4; ++c) o[c] += gdr[e] * qj[c];
           }
           // z = Q^T y  =>  dL/dQ[b][a] = sum_m y[m][b] gz[m][a]
-          T* G = gQd + row * 16;
           const T* yr = y + row * blk;
           for (int c = 0; c < 16; ++c) G[c] = 0;
           for (int64_t m = 0; m < M; ++m) {
@@ -184,6 +213,7 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
               for (int a = 0; a < 4; ++a) G[4 * b + a] += yb * g[4 * m + a];
             }
           }
+          add_block_matrix_grad(qi, G, o);
         }
       }
     }
@@ -192,6 +222,7 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
   // Pass B, per source row (j, h) over its outgoing edges (A^T): gu = sum alpha gy.
   at::parallel_for(0, Ns * H, 64, [&](int64_t begin, int64_t end) {
     std::vector<T> gu(blk);
+    T Q[16], G[16];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t c = 0; c < blk; ++c) gu[c] = 0;
       T gq[4] = {0, 0, 0, 0};
@@ -207,7 +238,8 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
           for (int c = 0; c < 4; ++c) gq[c] += gdv * qi[c];
         }
       }
-      const T* Q = Qs + r * 16;
+      const T* qj = qs + r * 4;
+      block_matrix(qj, Q);
       if (need_v) {  // u = Q v  =>  gv = Q^T gu
         T* o = gv + r * blk;
         for (int64_t m = 0; m < M; ++m) {
@@ -219,9 +251,7 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
         }
       }
       if (need_q) {
-        for (int c = 0; c < 4; ++c) gqs[r * 4 + c] = gq[c];
         // u = Q v  =>  dL/dQ[a][b] = sum_m gu[m][a] v[m][b]
-        T* G = gQs + r * 16;
         const T* x = v + r * blk;
         for (int c = 0; c < 16; ++c) G[c] = 0;
         for (int64_t m = 0; m < M; ++m) {
@@ -230,6 +260,8 @@ void backward_impl(const T* gz, const T* galpha, const T* v, const T* Qs, const 
             for (int b = 0; b < 4; ++b) G[4 * a + b] += ga_ * x[4 * m + b];
           }
         }
+        add_block_matrix_grad(qj, G, gq);
+        for (int c = 0; c < 4; ++c) gqs[r * 4 + c] = gq[c];
       }
     }
   });
@@ -240,10 +272,9 @@ void check(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "qsv_kernel_cpu: ", name, " must be contiguous");
 }
 
-std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor Qs, torch::Tensor Qd,
-                                       torch::Tensor qs, torch::Tensor qd, torch::Tensor beta,
-                                       torch::Tensor nbr, bool use_abs) {
-  for (auto* t : {&v, &Qs, &Qd, &qs, &qd, &beta, &nbr}) check(*t, "input");
+std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
+                                       torch::Tensor beta, torch::Tensor nbr, bool use_abs) {
+  for (auto* t : {&v, &qs, &qd, &beta, &nbr}) check(*t, "input");
   TORCH_CHECK(nbr.scalar_type() == torch::kLong, "qsv_kernel_cpu: nbr must be int64");
   const int64_t Ns = v.size(0), H = v.size(1), M = v.size(2);
   const int64_t Nd = nbr.size(0), k = nbr.size(1);
@@ -253,8 +284,7 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor Qs, torch:
   auto alpha = torch::empty({Nd, H, k}, v.options());
   auto dot = torch::empty({Nd, H, k}, v.options());
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_forward", [&] {
-    forward_impl<scalar_t>(v.data_ptr<scalar_t>(), Qs.data_ptr<scalar_t>(),
-                           Qd.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(),
+    forward_impl<scalar_t>(v.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(),
                            qd.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(),
                            nbr.data_ptr<int64_t>(), Ns, Nd, H, M, k, use_abs,
                            u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
@@ -265,15 +295,13 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor Qs, torch:
 }
 
 std::vector<torch::Tensor> qsv_backward(torch::Tensor gz, c10::optional<torch::Tensor> galpha,
-                                        torch::Tensor v, torch::Tensor Qs, torch::Tensor Qd,
-                                        torch::Tensor qs, torch::Tensor qd, torch::Tensor beta,
-                                        torch::Tensor nbr, torch::Tensor alpha,
-                                        torch::Tensor dot, torch::Tensor u, torch::Tensor y,
-                                        torch::Tensor crow_t, torch::Tensor col_t,
-                                        torch::Tensor perm, bool use_abs, bool need_v,
-                                        bool need_q) {
-  for (auto* t : {&gz, &v, &Qs, &Qd, &qs, &qd, &beta, &nbr, &alpha, &dot, &u, &y, &crow_t,
-                  &col_t, &perm})
+                                        torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
+                                        torch::Tensor beta, torch::Tensor nbr,
+                                        torch::Tensor alpha, torch::Tensor dot, torch::Tensor u,
+                                        torch::Tensor y, torch::Tensor crow_t,
+                                        torch::Tensor col_t, torch::Tensor perm, bool use_abs,
+                                        bool need_v, bool need_q) {
+  for (auto* t : {&gz, &v, &qs, &qd, &beta, &nbr, &alpha, &dot, &u, &y, &crow_t, &col_t, &perm})
     check(*t, "input");
   TORCH_CHECK(crow_t.scalar_type() == torch::kInt && col_t.scalar_type() == torch::kInt &&
                   perm.scalar_type() == torch::kLong,
@@ -286,24 +314,20 @@ std::vector<torch::Tensor> qsv_backward(torch::Tensor gz, c10::optional<torch::T
   auto gd = torch::empty({Nd, H, k}, opts);
   auto gbeta_part = torch::empty({Nd, H}, opts);
   auto gqd = need_q ? torch::empty({Nd, H, 4}, opts) : torch::empty({0}, opts);
-  auto gQd = need_q ? torch::empty({Nd, H, 4, 4}, opts) : torch::empty({0}, opts);
   auto gv = need_v ? torch::empty_like(v) : torch::empty({0}, opts);
   auto gqs = need_q ? torch::empty({Ns, H, 4}, opts) : torch::empty({0}, opts);
-  auto gQs = need_q ? torch::empty({Ns, H, 4, 4}, opts) : torch::empty({0}, opts);
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_backward", [&] {
     backward_impl<scalar_t>(
         gz.data_ptr<scalar_t>(), galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr,
-        v.data_ptr<scalar_t>(), Qs.data_ptr<scalar_t>(), Qd.data_ptr<scalar_t>(),
-        qs.data_ptr<scalar_t>(), qd.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(),
-        nbr.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>(),
-        u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), crow_t.data_ptr<int32_t>(),
-        col_t.data_ptr<int32_t>(), perm.data_ptr<int64_t>(), Ns, Nd, H, M, k, use_abs, need_v,
-        need_q, gy.data_ptr<scalar_t>(), gd.data_ptr<scalar_t>(),
+        v.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(), qd.data_ptr<scalar_t>(),
+        beta.data_ptr<scalar_t>(), nbr.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
+        dot.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+        crow_t.data_ptr<int32_t>(), col_t.data_ptr<int32_t>(), perm.data_ptr<int64_t>(), Ns,
+        Nd, H, M, k, use_abs, need_v, need_q, gy.data_ptr<scalar_t>(), gd.data_ptr<scalar_t>(),
         gbeta_part.data_ptr<scalar_t>(), need_q ? gqd.data_ptr<scalar_t>() : nullptr,
-        need_q ? gQd.data_ptr<scalar_t>() : nullptr, need_v ? gv.data_ptr<scalar_t>() : nullptr,
-        need_q ? gqs.data_ptr<scalar_t>() : nullptr, need_q ? gQs.data_ptr<scalar_t>() : nullptr);
+        need_v ? gv.data_ptr<scalar_t>() : nullptr, need_q ? gqs.data_ptr<scalar_t>() : nullptr);
   });
-  return {gv, gqs, gqd, gQs, gQd, gbeta_part.sum(0)};
+  return {gv, gqs, gqd, gbeta_part.sum(0)};
 }
 
 }  // namespace

@@ -90,20 +90,20 @@ class _QSVAggregate(torch.autograd.Function):
         same = q_dst is None
         qd = q_src if same else q_dst
         crow, col, crow_t, col_t, perm = _csr_pattern(nbr, H, ns)
-        rot_s = quaternion_to_block_matrix(q_src).view(ns * H, 4, 4)
-        rot_d = rot_s if same else quaternion_to_block_matrix(qd).view(n * H, 4, 4)
         ctx.set_materialize_grads(False)
         ctx.use_abs, ctx.comp = use_abs, comp
         ctx.pattern = (crow, col, crow_t, col_t, perm)
         ext = _kernel_for(v, q_src, qd, beta, nbr, crow_t, comp)
         ctx.ext = ext
         if ext is not None:
-            # The C++ kernel: the same arithmetic in two passes; dot is [n, H, k] here.
-            z, alpha, u, y, dot = ext.forward(v, rot_s, rot_d, q_src, qd, beta.contiguous(),
+            # The C++ kernel: the same arithmetic in two passes (rotation matrices
+            # computed on the fly); dot is [n, H, k] here.
+            z, alpha, u, y, dot = ext.forward(v, q_src, qd, beta.contiguous(),
                                               nbr.contiguous(), use_abs)
-            ctx.save_for_backward(v, q_src, q_dst, beta, nbr, rot_s,
-                                  None if same else rot_d, u, y, dot, alpha)
+            ctx.save_for_backward(v, q_src, q_dst, beta, nbr, None, None, u, y, dot, alpha)
             return z, alpha.transpose(1, 2)
+        rot_s = quaternion_to_block_matrix(q_src).view(ns * H, 4, 4)
+        rot_d = rot_s if same else quaternion_to_block_matrix(qd).view(n * H, 4, 4)
         vf = v.view(ns * H, *v.shape[2:])
         u = _apply(rot_s, vf, False, comp)  # rotate every source once by q_j
         dot = neighbor_dot(qd, q_src, nbr)  # [n, k, H], Re(q_i* q_j)
@@ -138,14 +138,14 @@ class _QSVAggregate(torch.autograd.Function):
 
         if ctx.ext is not None:
             g_alpha = None if grad_alpha is None else grad_alpha.transpose(1, 2).contiguous()
-            gv, gqs, gqd, g_rot_s, g_rot_d, gbeta = ctx.ext.backward(
-                grad_z.contiguous(), g_alpha, v, rot_s, rot_d, q_src, qd, beta.contiguous(),
+            gv, gqs, gqd, gbeta = ctx.ext.backward(
+                grad_z.contiguous(), g_alpha, v, q_src, qd, beta.contiguous(),
                 nbr.contiguous(), alpha, dot, u, y, crow_t, col_t, perm, ctx.use_abs,
                 bool(need_v), bool(need_q))
-            if need_q:
-                gqs, gqd = _quaternion_grads(q_src, qd, same, gqs, gqd, g_rot_s, g_rot_d)
-            else:
+            if not need_q:
                 gqs = gqd = None
+            elif same:  # one node set: both roles' gradients go to the same quaternions
+                gqs, gqd = gqs + gqd, None
             return (gv if need_v else None, gqs, gqd, gbeta if need_beta else None,
                     None, None, None)
 
