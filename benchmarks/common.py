@@ -7,7 +7,6 @@ dominates a layer's training footprint, counted with saved-tensor hooks.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -15,6 +14,9 @@ import time
 from typing import Callable, Dict
 
 import torch
+
+from qsv_pyg.training import run_files
+from qsv_pyg.utils import resolve_device  # noqa: F401  (the scripts import it from here)
 
 
 def sync(device: torch.device) -> None:
@@ -132,15 +134,7 @@ def machine_info(device: torch.device) -> Dict[str, object]:
     return info
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def write_json(path: str, payload: dict) -> None:
+    """Atomically write ``payload`` as JSON to ``path`` (its folder is created)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    run_files.write_json(path, payload)

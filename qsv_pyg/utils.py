@@ -1,9 +1,5 @@
-"""Small helpers shared by the training CLI, the analysis CLI and the experiment runner."""
+"""Small helpers shared by the training CLI, the analysis CLI and the benchmarks."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any, Dict, Optional
 
 import torch
 
@@ -25,11 +21,3 @@ def resolve_device(spec: str) -> torch.device:
                          "(use --device cpu or auto)")
     return device
 
-
-def read_json(path: "str | Path") -> Optional[Dict[str, Any]]:
-    """The JSON object in ``path``, or ``None`` if it is missing or unreadable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

@@ -19,8 +19,6 @@ pass, so the statistics are those of the model exactly as it classifies.
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,7 +35,6 @@ __all__ = [
     "rotation_angles",
     "intervene",
     "intervention_accuracy",
-    "load_model",
     "summarize_angles",
 ]
 
@@ -89,14 +86,6 @@ def _as_batches(images: Images) -> List[Tensor]:
             raise ValueError(f"images must be [B, C, H, W] tensors; got "
                              f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
     return batches
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -411,52 +400,6 @@ def intervention_accuracy(model: nn.Module, loader: Any, mode: str) -> float:
     if seen == 0:
         raise ValueError("the loader yielded no images")
     return correct / seen
-
-
-# ============================================================================ loading
-
-
-def load_model(path: "str | os.PathLike[str]", device: "str | torch.device" = "cpu"
-               ) -> Tuple[nn.Module, Any, Path]:
-    """Rebuild the model of a training checkpoint (a file or a run folder).
-
-    Args:
-        path: ``checkpoint.pt`` or a run folder holding one.
-        device: where to put the model.
-
-    Returns:
-        ``(model in eval mode, TrainConfig, checkpoint file)``.
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``path`` (the message names the file).
-        ValueError: the file is corrupt or not a training checkpoint
-            (:class:`~qsv_pyg.training.checkpoint.CheckpointError` is a
-            ``RuntimeError`` and is re-raised as is).
-    """
-    from ..models import build_model
-    from ..training.checkpoint import load_checkpoint
-    from ..training.config import TrainConfig
-    from ..training.trainer import CHECKPOINT_NAME
-
-    file = Path(path).expanduser()
-    if file.is_dir():
-        file = file / CHECKPOINT_NAME
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint file not found: {file} (pass a checkpoint.pt "
-                                f"or a run folder that holds one)")
-    state = load_checkpoint(file, map_location="cpu")
-    missing = sorted({"config", "model"} - set(state))
-    if missing:
-        raise ValueError(f"{file} is not a training checkpoint (missing {missing})")
-    try:
-        cfg = TrainConfig.from_dict(state["config"])
-        num_classes = {"cifar10": 10, "cifar100": 100}[cfg.dataset]
-        model = build_model(cfg.model, num_classes, **cfg.model_overrides())
-        model.load_state_dict(state["model"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{file}: cannot rebuild the model from the checkpoint "
-                         f"({type(err).__name__}: {err})") from err
-    return model.to(device).eval(), cfg, file
 
 
 def summarize_angles(angles: Tensor, bins: Sequence[float] = tuple(range(0, 181, 10))

@@ -32,9 +32,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from qsv_pyg.training.trainer import CHECKPOINT_NAME, CONFIG_NAME, LOG_NAME, METRICS_NAME
+from qsv_pyg.training.run_files import (
+    CHECKPOINT_NAME,
+    CONFIG_NAME,
+    LOG_NAME,
+    METRICS_NAME,
+    read_log,
+)
+from qsv_pyg.training.run_files import read_json as _read_json
 
-from ..utils import read_json as _read_json
 from .runner import RUNNER_NAME, run_dir
 from .tables import PAPER_SOURCE, Row, Table
 
@@ -53,20 +59,6 @@ _SHARED_SETTINGS = ("dataset", "epochs", "batch_size", "lr", "weight_decay", "wa
 # ============================================================================ collect
 
 
-
-
-def _read_log(path: Path) -> List[Dict[str, Any]]:
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn last line of a killed run
-    except OSError:
-        pass
-    return records
 
 
 def _seeds_on_disk(folder: Path) -> List[int]:
@@ -112,7 +104,7 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
         info["settings"]["threads"] = config.get("threads")
         info["model_args"] = config.get("model_args", {})
         info["betas"] = [(rec["epoch"], rec.get("betas") or {})
-                         for rec in _read_log(folder / LOG_NAME) if "epoch" in rec]
+                         for rec in read_log(folder / LOG_NAME) if "epoch" in rec]
     return info
 
 

@@ -62,14 +62,10 @@ from qsv_pyg.models import available_models, build_model, zoo
 from qsv_pyg.training import cli as train_cli
 from qsv_pyg.training.checkpoint import CheckpointError, load_checkpoint
 from qsv_pyg.training.config import ABLATION_FLAGS, ConfigError, TrainConfig
-from qsv_pyg.training.trainer import (
-    CHECKPOINT_NAME,
-    CONFIG_NAME,
-    METRICS_NAME,
-    RESUME_OVERRIDABLE,
-)
+from qsv_pyg.training.run_files import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, write_json
+from qsv_pyg.training.run_files import read_json as _read_json
+from qsv_pyg.training.trainer import RESUME_OVERRIDABLE
 
-from ..utils import read_json as _read_json
 from .tables import TABLES, Row, Table, get_table
 
 __all__ = [
@@ -551,9 +547,7 @@ def _record_launch(spec: RunSpec, action: str, argv: Sequence[str], launcher: st
     else:
         launches.append(entry)
     spec.out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, record)
 
 
 def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -> RunResult:

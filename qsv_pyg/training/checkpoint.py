@@ -3,7 +3,10 @@
 A checkpoint is ``torch.save({"format_version": N, "state": state})``. Writes go
 to a temporary file in the target directory, are fsync'ed and then atomically
 renamed over ``path``, so a crash leaves either the previous checkpoint or the
-new one, never a truncated file.
+new one, never a truncated file. ``torch.save`` writes a zip archive whose every
+entry carries a CRC-32 of its bytes; :func:`load_checkpoint` verifies them all
+before unpickling, so a damaged file raises :class:`CheckpointError` instead of
+loading wrong weights.
 
 Resuming a CPU run bit-identically::
 
@@ -17,13 +20,16 @@ Resuming a CPU run bit-identically::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
-import secrets
 import warnings
+import zipfile
 from typing import Any, Dict, Union
 
 import torch
+
+from .run_files import atomic_write
 
 try:
     import numpy as np
@@ -40,58 +46,63 @@ class CheckpointError(RuntimeError):
     """The file exists but is not a readable checkpoint of a supported format."""
 
 
-def _fsync_dir(directory: str) -> None:
-    """Persist a rename on POSIX; a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: PathLike, state: Dict[str, Any]) -> None:
     """Atomically write ``state`` to ``path`` (parent directories are created).
 
     Args:
         path: destination file; an existing file is replaced only once the new
-            one is completely on disk.
+            one is completely on disk (:func:`~qsv_pyg.training.run_files.atomic_write`).
         state: dict of tensors, state dicts and plain Python values. Keep it to
             those types so :func:`load_checkpoint` can use ``weights_only=True``.
 
     Raises:
         TypeError: ``state`` is not a dict.
-        OSError: an I/O failure; like any serialisation error it propagates after
+        OSError: an I/O failure (a :class:`~qsv_pyg.training.run_files.RunFolderError`
+            naming the file); like any serialisation error it propagates after
             the temporary file is removed, leaving ``path`` untouched.
     """
     if not isinstance(state, dict):
         raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # Same directory as the target: os.replace is only atomic within one filesystem.
-    # O_EXCL gives a fresh file; mode 0o666 lets the umask decide permissions as for
-    # any ordinary file (tempfile.mkstemp would force 0600).
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = {_VERSION_KEY: CHECKPOINT_FORMAT_VERSION, "state": state}
+    with _crc32_on():
+        atomic_write(path, lambda f: torch.save(payload, f), binary=True)
+
+
+@contextlib.contextmanager
+def _crc32_on():
+    """Make torch.save write the CRC-32 of every archive entry (its default)."""
+    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    save_config = getattr(config, "save", None)
+    previous = getattr(save_config, "compute_crc32", None)
+    if previous is None:  # a torch without the switch always writes them
+        yield
+        return
+    save_config.compute_crc32 = True
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({_VERSION_KEY: CHECKPOINT_FORMAT_VERSION, "state": state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Also on KeyboardInterrupt: never leave a stray temp file behind.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        yield
+    finally:
+        save_config.compute_crc32 = previous
+
+
+def _verify_checksums(path: str) -> None:
+    """Check every entry of the checkpoint's zip archive against its stored CRC-32.
+
+    ``torch.load`` does not: flipped bytes in tensor data would load silently.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except PermissionError:
         raise
-    _fsync_dir(directory)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a valid checkpoint (truncated or corrupt "
+                              f"file?) ({type(err).__name__}: {err})") from err
+    if bad is not None:
+        raise CheckpointError(f"{path} is corrupt: the checksum (CRC-32) of its entry {bad!r} "
+                              "does not match its bytes (damaged on disk or in transfer); "
+                              "resume from another copy or start again")
 
 
 def load_checkpoint(
@@ -113,12 +124,15 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: the file is truncated/corrupt, is not a qsv_pyg
-            checkpoint, or has an unsupported format version.
+        CheckpointError: the file is truncated/corrupt (a checksum does not
+            match), is not a qsv_pyg checkpoint, or has an unsupported format
+            version.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint file not found: {path}")
+    if not os.path.isdir(path):
+        _verify_checksums(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=weights_only)
     except (PermissionError, IsADirectoryError):

@@ -32,11 +32,11 @@ from .config import (
     TrainConfig,
     preset_config,
 )
+from .run_files import RunFolderError, find_checkpoint
 from .trainer import (
     NonFiniteLossError,
     TrainingInterrupted,
     config_for_resume,
-    find_checkpoint,
     train,
 )
 
@@ -170,6 +170,7 @@ def config_from_args(explicit: Dict[str, Any]) -> Tuple[TrainConfig, Optional[st
 
     Raises:
         ConfigError: inconsistent options.
+        RunFolderError: ``--resume`` names no checkpoint.
     """
     explicit = dict(explicit)
     resume = explicit.pop("resume", None)
@@ -226,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg, resume = config_from_args(explicit)
         train(cfg, resume_from=resume)
-    except ConfigError as err:
+    except (ConfigError, RunFolderError) as err:
         if loud:
             print(f"error: {err}", file=sys.stderr)
         return 2

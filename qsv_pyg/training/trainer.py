@@ -2,12 +2,15 @@
 
 Read :func:`train` top to bottom; it is one function on purpose (in the spirit
 of nanoGPT's ``train.py``), with small helpers below it. One run writes into
-``cfg.out_dir``::
+``cfg.out_dir`` (the files are described in :mod:`~qsv_pyg.training.run_files`)::
 
     config.json     the full TrainConfig of the run
     log.jsonl       one JSON line per finished epoch (losses, accuracies, lr, β, timing)
     checkpoint.pt   the latest state (model, optimiser, schedule, RNG, position)
     metrics.json    final summary, written when the run ends
+
+The folder is locked while the run is alive, checked before the data is loaded,
+and every file in it is written atomically.
 
 Resuming (``--resume``) is exact: the data order and augmentation are functions
 of ``(seed, epoch, rank, batch)`` (see :class:`~qsv_pyg.data.DeviceLoader`), and
@@ -40,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import math
 import os
 import random
@@ -82,28 +84,31 @@ from .distributed import (
     init_distributed,
 )
 from .optim import build_optimizer, optimizer_backend
+from .run_files import (
+    CHECKPOINT_NAME,
+    CONFIG_NAME,
+    LOG_NAME,
+    METRICS_NAME,
+    RunFolderError,
+    append_jsonl,
+    check_free_space,
+    truncate_log,
+    write_json,
+    write_text,
+)
+from .run_lock import lock_out_dir
 from .schedule import warmup_cosine, warmup_cosine_factor
 
 __all__ = [
-    "CHECKPOINT_NAME",
-    "CONFIG_NAME",
-    "LOG_NAME",
-    "METRICS_NAME",
     "NonFiniteLossError",
     "RESUME_OVERRIDABLE",
     "TIMING_FIELDS",
     "TrainingInterrupted",
     "WithAuxiliaryLoss",
     "config_for_resume",
-    "find_checkpoint",
     "evaluate",
     "train",
 ]
-
-CHECKPOINT_NAME = "checkpoint.pt"
-CONFIG_NAME = "config.json"
-LOG_NAME = "log.jsonl"
-METRICS_NAME = "metrics.json"
 
 #: Log fields that measure wall time; everything else in a log line is reproducible.
 TIMING_FIELDS = ("seconds", "images_per_s")
@@ -179,13 +184,14 @@ def train(cfg: TrainConfig, resume_from: "str | os.PathLike[str] | None" = None)
     device = _resolve_device(cfg.device)
     dist_info = init_distributed(device.type)
     try:
-        return _train(cfg, resume_from, device, dist_info, t_start)
+        with contextlib.ExitStack() as run_folder:  # holds the out-dir's lock
+            return _train(cfg, resume_from, device, dist_info, t_start, run_folder)
     finally:
         cleanup_distributed()
 
 
 def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistInfo,
-           t_start: float) -> Dict[str, Any]:
+           t_start: float, run_folder: contextlib.ExitStack) -> Dict[str, Any]:
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     if device.type == "cuda":
         # An explicit index everywhere (set_device and DDP need one); torchrun picks it.
@@ -208,6 +214,9 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         ckpt = None
     out_dir = Path(broadcast_object(cfg.out_dir or _default_out_dir(cfg.model)))
     cfg.out_dir = str(out_dir)
+    # Lock the folder (one run at a time), check it is writable and remove temp
+    # files of a killed run, all before the slow data loading.
+    _on_main_rank(is_main, lambda: run_folder.enter_context(lock_out_dir(out_dir)))
     ckpt_path = out_dir / CHECKPOINT_NAME
     if ckpt is None and ckpt_path.exists():
         raise ConfigError(f"{out_dir} already holds a run ({ckpt_path}); continue it with "
@@ -222,6 +231,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         raw_model.load_state_dict(ckpt["model"])
     raw_model.to(device)
     n_params = _num_parameters(raw_model)
+    _on_main_rank(is_main, lambda: check_free_space(out_dir, _checkpoint_bytes(raw_model)))
 
     # ---------------------------------------------------------------- 4. data
     train_set, test_set = _load_data(cfg)
@@ -319,9 +329,10 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
 
     # ---------------------------------------------------------------- 8. files
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(out_dir / CONFIG_NAME)
-        _truncate_log(out_dir / LOG_NAME, keep_epochs=start_epoch if ckpt is not None else 0)
+        # The log first: it must never run ahead of the checkpoint, even when
+        # writing the config fails.
+        truncate_log(out_dir / LOG_NAME, keep_epochs=start_epoch if ckpt is not None else 0)
+        write_text(out_dir / CONFIG_NAME, cfg.to_json() + "\n")
     backend = optimizer_backend(optimizer)
     say(f"{_summary(raw_model)} | {cfg.dataset}: {len(train_set):,} train / "
         f"{len(test_set):,} test images | device {device} x{world_size} | optimizer {backend} | "
@@ -438,7 +449,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                 # re-evaluates the epoch on resume (and rewrites its line), one after
                 # it finds the finished epoch in the checkpoint.
                 if is_main:
-                    _append_json_line(out_dir / LOG_NAME, record)
+                    append_jsonl(out_dir / LOG_NAME, record)
                 if best["test_acc"] is None or test_stats["acc"] > best["test_acc"]:
                     best = {"test_acc": test_stats["acc"], "epoch": epoch + 1}
                 total_seconds += seconds
@@ -510,7 +521,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         "wall_seconds_this_process": _clock() - t_start,
     }
     if is_main:
-        _write_json(out_dir / METRICS_NAME, metrics)
+        write_json(out_dir / METRICS_NAME, metrics)
         say(f"done: test acc {metrics['test_acc']:.4f} (best {metrics['best_test_acc']:.4f}) "
             f"after {epoch} epoch(s); metrics in {out_dir / METRICS_NAME}")
     return metrics
@@ -564,30 +575,6 @@ def evaluate(model: nn.Module, loader: DeviceLoader, autocast=contextlib.nullcon
 
 
 # ============================================================================ resume helpers
-
-
-def find_checkpoint(resume: "str | os.PathLike[str] | None", out_dir: Optional[str]) -> Path:
-    """The checkpoint file that ``--resume [PATH]`` refers to.
-
-    Args:
-        resume: a checkpoint file, a run folder, or ``None``/``""`` for
-            ``out_dir``'s checkpoint.
-        out_dir: the run folder given with ``--out-dir`` (may be ``None``).
-
-    Raises:
-        ConfigError: nothing to resume from.
-    """
-    if resume in (None, ""):
-        if not out_dir:
-            raise ConfigError("--resume without a path needs --out-dir (the run folder to "
-                              "continue)")
-        resume = out_dir
-    path = Path(resume).expanduser()
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    if not path.is_file():
-        raise ConfigError(f"no checkpoint to resume from: {path} does not exist")
-    return path
 
 
 def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str, Any]
@@ -764,6 +751,26 @@ def _has_unused_parameters(model: nn.Module, images: torch.Tensor, labels: torch
     return any(p.requires_grad and p.grad is None for p in probe.parameters())
 
 
+def _on_main_rank(is_main: bool, action) -> None:
+    """Run ``action()`` on rank 0; its :class:`RunFolderError` is raised on every rank."""
+    error = None
+    if is_main:
+        try:
+            action()
+        except RunFolderError as err:
+            error = err
+    message = broadcast_object(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RunFolderError(message)
+
+
+def _checkpoint_bytes(model: nn.Module) -> int:
+    """Disk space a checkpoint needs: the weights plus up to two optimiser moments each."""
+    return 3 * sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def _empty_partial() -> Dict[str, float]:
     return {"loss_sum": 0.0, "correct": 0.0, "seen": 0, "train_seconds": 0.0}
 
@@ -786,43 +793,6 @@ def _stop_requested(interrupt: "_InterruptFlag", deadline: Optional[float],
         # All ranks must stop at the same step, or the next all-reduce would hang.
         code = int(all_reduce_max(torch.tensor([code], device=device)).item())
     return {0: None, 1: "time_budget", 2: "interrupt"}[code]
-
-
-def _append_json_line(path: Path, record: Dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(path: Path, data: Dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _truncate_log(path: Path, keep_epochs: int) -> None:
-    """Keep the log lines of epochs ``1..keep_epochs`` (those the checkpoint covers).
-
-    Creates an empty log when there is none, so every run folder has one.
-    """
-    if not path.exists():
-        path.touch()
-        return
-    kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                if json.loads(line)["epoch"] <= keep_epochs:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line from a crash
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
 
 
 class _InterruptFlag:
