@@ -39,7 +39,13 @@ from .field import QuaternionField
 GEOMETRIES = ("shells", "lattice")
 QUAT_SOURCES = {"field": "given", "features": "features", "both": "composed"}
 
-DEFAULT_WIDTHS = (64, 96, 128, 128, 128)
+#: The paper's model: 16 heads per shell, one quaternion per node and head. At
+#: width 64 each head reads one 4-channel block; the widths give ≈0.57M parameters.
+DEFAULT_HEADS = 16
+DEFAULT_WIDTHS = (64, 128, 128, 128, 128)
+#: Centre of the log-temperature prior: the fixed point β ≈ 0.79 the paper states.
+#: It does not follow ``beta_init``, so a warm start (β₀ = 5) decays back to it.
+BETA_PRIOR_CENTRE = 0.79
 
 # Defaults of the QSV-only arguments. GraphNet takes them as ``None`` so that a
 # control (conv != "qsv") given any of them fails loudly instead of ignoring it.
@@ -52,8 +58,8 @@ QSV_DEFAULTS = dict(
     field_per_head=True,
     beta_init=1.0,
     learn_beta=True,
-    beta_prior=None,  # None: the prior is beta_init
-    beta_prior_weight=0.0,
+    beta_prior=BETA_PRIOR_CENTRE,
+    beta_prior_weight=0.01,
     repulsion_k=8,
     repulsion_weight=0.01,
 )
@@ -103,10 +109,11 @@ class GraphNet(ImageClassifier):
             per node shared by all heads (``False``).
         beta_init: initial routing temperature (``1.0``).
         learn_beta: learn the temperatures (``True``).
-        beta_prior: centre of the log-temperature prior (``beta_init``).
+        beta_prior: centre of the log-temperature prior (``0.79``, the paper's
+            fixed point; independent of ``beta_init``).
         beta_prior_weight: weight of
             :math:`\sum (\log\beta - \log\beta_{prior})^2` over all layers and
-            heads (``0.0``).
+            heads (``0.01``).
         repulsion_k: same-level neighbours in the field repulsion (``8``).
         repulsion_weight: weight of the field repulsion, averaged over levels
             (``0.01``).
@@ -127,7 +134,7 @@ class GraphNet(ImageClassifier):
         k_inner: int = 8,
         conv: str = "qsv",
         widths: Sequence[int] = DEFAULT_WIDTHS,
-        heads: int = 4,
+        heads: int = DEFAULT_HEADS,
         patch_size: int = 4,
         image_size: int = 32,
         in_ch: int = 3,
@@ -262,7 +269,7 @@ class GraphNet(ImageClassifier):
         for name in ("beta_prior_weight", "repulsion_weight"):
             if not (opts[name] >= 0 and math.isfinite(opts[name])):
                 raise ValueError(f"{name} must be a non-negative number, got {opts[name]!r}")
-        prior = opts["beta_init"] if opts["beta_prior"] is None else opts["beta_prior"]
+        prior = opts["beta_prior"]
         if not (prior > 0 and math.isfinite(prior)):
             raise ValueError(f"beta_prior must be a positive number, got {prior!r}")
         self.log_beta_prior = math.log(prior)

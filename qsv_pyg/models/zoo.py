@@ -22,7 +22,7 @@ from ..geometry import (
     build_lattice_hierarchy,
     build_shell_hierarchy,
 )
-from .graph_net import DEFAULT_WIDTHS, QSV_DEFAULTS, GraphNet
+from .graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS, GraphNet
 from .matching import count_parameters, match_width, scale_widths
 from .registry import register_model
 
@@ -32,7 +32,11 @@ SHARED = ("k_cross", "k_inner", "heads", "patch_size", "image_size", "mlp_ratio"
 SHELL_KEYS = ("shell_sizes", "shell_radii")
 LATTICE_KEYS = ("lattice_sides", )
 QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS)
-CONTROL_KEYS = ("widths", "qsv_widths", "match_tol")
+CONTROL_KEYS = ("widths", "qsv_widths", "qsv_heads", "match_tol")
+#: Heads of the attention controls unless overridden: their own setting from before
+#: QSV moved to the paper's 16 heads (16 heads of 4-8 channels would be a choice
+#: against dot-product attention, which the matched comparison must not make).
+CONTROL_HEADS = 4
 
 
 def _check_overrides(model: str, overrides: Dict[str, Any], accepted: Iterable[str]) -> None:
@@ -117,21 +121,23 @@ def lattice(num_classes: int = 10, **overrides) -> GraphNet:
 
 @functools.lru_cache(maxsize=64)
 def _solve_widths(conv: str, num_classes: int, shared: Tuple[Tuple[str, Any], ...],
-                  qsv_widths: Tuple[int, ...], tol: float) -> Tuple[Tuple[int, ...], int]:
+                  qsv_widths: Tuple[int, ...], qsv_heads: int,
+                  tol: float) -> Tuple[Tuple[int, ...], int]:
     """Control widths matched to the QSV reference; memoised on the overrides.
 
     Returns:
         ``(widths, target)`` with ``target`` the reference QSV parameter count.
     """
     shared_kw = dict(shared)
-    target = count_parameters(_graph_net(num_classes, "shells", conv="qsv",
-                                         widths=qsv_widths, **shared_kw))
-    heads = shared_kw.get("heads", 4)
+    heads = shared_kw.pop("heads")
+    target = count_parameters(_graph_net(num_classes, "shells", conv="qsv", widths=qsv_widths,
+                                         heads=qsv_heads, **shared_kw))
 
     def build(scale: float) -> GraphNet:
         # Rounded to 4 * heads like QSV's widths, so the controls are as coarse.
         widths = scale_widths(qsv_widths, scale, 4 * heads)
-        return _graph_net(num_classes, "shells", conv=conv, widths=widths, **shared_kw)
+        return _graph_net(num_classes, "shells", conv=conv, widths=widths, heads=heads,
+                          **shared_kw)
 
     model, _ = match_width(build, target, tol=tol)
     return model.widths, target
@@ -144,11 +150,14 @@ def _control(conv: str, name: str, num_classes: int, overrides: Dict[str, Any]) 
         raise ValueError("pass either widths (used as given) or qsv_widths (matched)")
     widths = overrides.pop("widths", None)
     qsv_widths = overrides.pop("qsv_widths", DEFAULT_WIDTHS)
+    qsv_heads = overrides.pop("qsv_heads", DEFAULT_HEADS)
     tol = overrides.pop("match_tol", 0.05)
+    overrides.setdefault("heads", CONTROL_HEADS)
     if widths is None:
-        # The reference is the QSV model with the overrides both models share.
+        # The reference is the QSV model (qsv_widths, qsv_heads) with the overrides
+        # both models share.
         widths, _ = _solve_widths(conv, num_classes, tuple(sorted(overrides.items())),
-                                  tuple(qsv_widths), float(tol))
+                                  tuple(qsv_widths), int(qsv_heads), float(tol))
     return _graph_net(num_classes, "shells", conv=conv, widths=widths, **overrides)
 
 
@@ -157,8 +166,9 @@ def attention_gat(num_classes: int = 10, **overrides) -> GraphNet:
     """QSV's network with ``GATConv``; parameters matched to ``qsv`` within 5%.
 
     Overrides: the shared ones of ``qsv`` (geometry, k's, heads, patch size,
-    MLP ratio, within rounds) plus ``qsv_widths`` (widths of the QSV reference
-    to match, default ``qsv``'s), ``match_tol`` (default 0.05) or ``widths``
+    MLP ratio, within rounds; ``heads`` defaults to 4) plus ``qsv_widths`` and
+    ``qsv_heads`` (widths and heads of the QSV reference to match, default
+    ``qsv``'s), ``match_tol`` (default 0.05) or ``widths``
     (use exactly these widths, no matching).
     """
     return _control("gat", "attention-gat", num_classes, overrides)

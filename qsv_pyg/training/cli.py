@@ -23,6 +23,7 @@ from qsv_pyg.models import available_models
 
 from .config import (
     AMP_MODES,
+    FIELD_INITS,
     OPTIMIZER_BACKENDS,
     PRESETS,
     QUAT_SOURCES,
@@ -100,11 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "--no-field-per-head, one per node shared by the heads")
     g.add_argument("--frozen-field", action=argparse.BooleanOptionalAction,
                    help="keep the quaternion fields at their random initialisation")
+    g.add_argument("--field-init", choices=FIELD_INITS,
+                   help="initial quaternion field: uniform (Haar-random) or identity")
     g.add_argument("--beta-init", type=float, metavar="B", help="initial routing temperature β")
     g.add_argument("--frozen-beta", action=argparse.BooleanOptionalAction,
                    help="do not learn β")
     g.add_argument("--beta-prior", type=float, metavar="W",
-                   help="weight of the log-β prior (model keyword beta_prior_weight)")
+                   help="weight of the log-β prior (model keyword beta_prior_weight; "
+                   "model default 0.01, 0 turns it off)")
+    g.add_argument("--beta-prior-centre", type=float, metavar="B",
+                   help="β at the centre of the log-β prior (model default 0.79)")
     g.add_argument("--repulsion-k", type=int, metavar="K",
                    help="neighbours in the field repulsion regulariser")
     g.add_argument("--repulsion-weight", type=float, metavar="W",
@@ -131,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    + _default("label_smoothing"))
     g.add_argument("--optimizer", choices=OPTIMIZER_BACKENDS,
                    help="sphere backend for the quaternion fields" + _default("optimizer"))
+    g.add_argument("--field-lr-scale", type=float, metavar="S",
+                   help="learning rate of the quaternion fields relative to --lr"
+                   + _default("field_lr_scale"))
     g.add_argument("--seed", type=int, help="seed of init, data order, augmentation"
                    + _default("seed"))
 
@@ -146,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-clock", choices=("wall", "process"),
                    help="what --time-budget counts: wall time, or this process's CPU time "
                    "(equal compute per run on a shared machine)" + _default("budget_clock"))
+    g.add_argument("--eval-at-minutes", type=float, nargs="+", metavar="M",
+                   help="also evaluate on the test set at these marks of the budget clock "
+                   "(metrics.json: budget_evals; not charged to the budget)")
     g.add_argument("--anneal-to-budget", action=argparse.BooleanOptionalAction,
                    help="end the cosine decay when the time budget ends, if that is sooner")
     g.add_argument("--threads", type=int, metavar="N",

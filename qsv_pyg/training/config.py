@@ -24,7 +24,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from qsv_pyg.data.cifar import CIFAR_NAMES
 
@@ -32,6 +32,7 @@ __all__ = [
     "AMP_MODES",
     "ABLATION_FLAGS",
     "ConfigError",
+    "FIELD_INITS",
     "OPTIMIZER_BACKENDS",
     "PRESETS",
     "QUAT_SOURCES",
@@ -44,6 +45,7 @@ __all__ = [
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
 QUAT_SOURCES = ("field", "features", "both")
+FIELD_INITS = ("uniform", "identity")  # = qsv_pyg.models.field.FIELD_INITS
 AMP_MODES = ("none", "bf16", "fp16")
 # Same names as qsv_pyg.training.optim.BACKENDS (kept literal so this module stays light).
 OPTIMIZER_BACKENDS = ("auto", "riemannian", "projected")
@@ -56,9 +58,11 @@ ABLATION_FLAGS: Dict[str, tuple] = {
     "quat_source": ("--quat-source", "quat_source"),
     "frozen_field": ("--frozen-field", "frozen_field"),
     "field_per_head": ("--field-per-head", "field_per_head"),
+    "field_init": ("--field-init", "field_init"),
     "beta_init": ("--beta-init", "beta_init"),
     "frozen_beta": ("--frozen-beta", "learn_beta"),
     "beta_prior": ("--beta-prior", "beta_prior_weight"),
+    "beta_prior_centre": ("--beta-prior-centre", "beta_prior"),
     "repulsion_k": ("--repulsion-k", "repulsion_k"),
     "repulsion_weight": ("--repulsion-weight", "repulsion_weight"),
 }
@@ -90,7 +94,10 @@ class TrainConfig:
             per node shared by the heads (``False``).
         beta_init: initial routing temperature β.
         frozen_beta: do not learn β (``learn_beta=False`` in the model).
+        field_init: initial quaternion field, ``uniform`` (Haar-random) or
+            ``identity`` (near the identity rotation).
         beta_prior: weight of the log-β prior (model keyword ``beta_prior_weight``).
+        beta_prior_centre: β at the prior's centre (model keyword ``beta_prior``).
         repulsion_k: neighbours in the field repulsion regulariser.
         repulsion_weight: weight of the field repulsion regulariser.
         model_args: further model keyword arguments (sizes such as ``widths``,
@@ -105,6 +112,7 @@ class TrainConfig:
         min_lr_ratio: final learning rate of the cosine decay, relative to ``lr``.
         label_smoothing: label smoothing of the training cross-entropy.
         optimizer: sphere backend of the optimiser (``auto``, ``riemannian``, ``projected``).
+        field_lr_scale: learning rate of the quaternion fields relative to ``lr``.
         seed: seed of the initialisation, the data order and the augmentation.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
         amp: mixed precision on CUDA: ``"none"``, ``"bf16"`` or ``"fp16"``.
@@ -117,6 +125,10 @@ class TrainConfig:
         threads: torch intra-op CPU threads (``None``: torch's default).
         anneal_to_budget: let the cosine decay end when the time budget does (if
             sooner than the epochs), so budget-limited runs end annealed.
+        eval_at_minutes: also evaluate on the test set when the budget clock
+            passes each of these marks (minutes); the results go to
+            ``metrics.json`` as ``budget_evals`` and the evaluation time is not
+            charged to the time budget.
         out_dir: run folder; ``None`` means ``runs/<model>-<timestamp>``.
         subset: train on a class-balanced subset of this many images.
         test_subset: evaluate on a class-balanced subset of this many images.
@@ -135,9 +147,11 @@ class TrainConfig:
     quat_source: Optional[str] = None
     frozen_field: Optional[bool] = None
     field_per_head: Optional[bool] = None
+    field_init: Optional[str] = None
     beta_init: Optional[float] = None
     frozen_beta: Optional[bool] = None
     beta_prior: Optional[float] = None
+    beta_prior_centre: Optional[float] = None
     repulsion_k: Optional[int] = None
     repulsion_weight: Optional[float] = None
     model_args: Dict[str, Any] = field(default_factory=dict)
@@ -151,6 +165,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     label_smoothing: float = 0.1
     optimizer: str = "auto"
+    field_lr_scale: float = 1.0
     seed: int = 0
     # runtime
     device: str = "auto"
@@ -159,6 +174,7 @@ class TrainConfig:
     time_budget: Optional[float] = None
     budget_clock: str = "wall"
     anneal_to_budget: bool = False
+    eval_at_minutes: List[float] = field(default_factory=list)
     threads: Optional[int] = None
     out_dir: Optional[str] = None
     subset: Optional[int] = None
@@ -171,6 +187,7 @@ class TrainConfig:
         """Plain-JSON dict of every field (``model_args`` is copied)."""
         out = dataclasses.asdict(self)
         out["model_args"] = json.loads(json.dumps(self.model_args))  # tuples -> lists
+        out["eval_at_minutes"] = list(self.eval_at_minutes)
         return out
 
     @classmethod
@@ -283,6 +300,7 @@ class TrainConfig:
         choice("routing", ROUTINGS, allow_none=True)
         choice("transport", TRANSPORTS, allow_none=True)
         choice("quat_source", QUAT_SOURCES, allow_none=True)
+        choice("field_init", FIELD_INITS, allow_none=True)
         choice("amp", AMP_MODES)
         choice("optimizer", OPTIMIZER_BACKENDS)
         for name in ("frozen_field", "frozen_beta", "field_per_head"):
@@ -292,6 +310,8 @@ class TrainConfig:
             need(isinstance(getattr(self, name), bool), f"{_flag(name)} must be true/false")
         number("beta_init", 0.0, lo_open=True, allow_none=True)
         number("beta_prior", 0.0, allow_none=True)
+        number("beta_prior_centre", 0.0, lo_open=True, allow_none=True)
+        number("field_lr_scale", 0.0, lo_open=True)
         number("repulsion_k", 1, integer=True, allow_none=True)
         number("repulsion_weight", 0.0, allow_none=True)
         need(isinstance(self.model_args, dict) and all(isinstance(k, str) for k in self.model_args),
@@ -306,6 +326,14 @@ class TrainConfig:
         number("label_smoothing", 0.0, 1.0, hi_open=True)
         number("seed", 0, integer=True)
         number("time_budget", 0.0, lo_open=True, allow_none=True)
+        marks = self.eval_at_minutes
+        need(isinstance(marks, (list, tuple)) and all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m)
+            and m > 0 for m in marks),
+            f"--eval-at-minutes must be positive numbers of minutes; got {marks!r}")
+        self.eval_at_minutes = sorted(float(m) for m in marks)
+        need(not marks or self.time_budget is not None,
+             "--eval-at-minutes needs --time-budget (the marks count on its clock)")
         number("threads", 1, integer=True, allow_none=True)
         need(self.budget_clock in ("wall", "process"),
              f"--budget-clock must be wall or process; got {self.budget_clock!r}")
@@ -350,10 +378,16 @@ _QSV_ABLATIONS: Dict[str, Dict[str, Any]] = {
     "quat-features": dict(quat_source="features"),
     "quat-both": dict(quat_source="both"),
     "frozen-field": dict(frozen_field=True),
-    "frozen-beta": dict(frozen_beta=True),
-    "beta-prior": dict(beta_prior=0.01),
+    # The paper's probe freezes β at its warm-start value 5 (−0.4 points).
+    "frozen-beta": dict(frozen_beta=True, beta_init=5.0),
+    # A warm start at β₀ = 5 that the prior (centre 0.79, on by default) pulls back.
+    "beta-warm5": dict(beta_init=5.0),
+    # Before the paper-faithful defaults: no β prior, Haar-random field.
+    "no-beta-prior": dict(beta_prior=0.0),
     "no-repulsion": dict(repulsion_weight=0.0),
 }
+#: QSV models (the only ones with a quaternion field and its repulsion).
+_FIELD_MODELS = ("qsv", "lattice")
 
 
 def _build_presets() -> Dict[str, Dict[str, Any]]:
@@ -362,6 +396,9 @@ def _build_presets() -> Dict[str, Dict[str, Any]]:
         presets[f"paper-{model}"] = dict(_PAPER_SCHEDULE, model=model, dataset="cifar10")
         presets[f"paper-{model}-cifar100"] = dict(_PAPER_SCHEDULE, model=model,
                                                   dataset="cifar100")
+        if model in _FIELD_MODELS:
+            # The paper's CIFAR-100 runs repel 16 neighbours (8 on CIFAR-10).
+            presets[f"paper-{model}-cifar100"]["repulsion_k"] = 16
     for name, switch in _QSV_ABLATIONS.items():
         presets[f"paper-qsv-{name}"] = dict(_PAPER_SCHEDULE, model="qsv", dataset="cifar10",
                                             **switch)
@@ -373,17 +410,19 @@ def _build_presets() -> Dict[str, Dict[str, Any]]:
     return presets
 
 
-_CPU_SHELLS = dict(shell_sizes=(100, 64, 36, 16, 9), heads=2, patch_size=4)
-_CPU_WIDTHS = (32, 48, 64, 64, 64)
+_CPU_SHELLS = dict(shell_sizes=(100, 64, 36, 16, 9), patch_size=4)
+_CPU_WIDTHS = (64, 64, 64, 64, 64)
+_CPU_QSV_HEADS = 16
 #: Model overrides of the CPU-scale study: five levels of 100-64-36-16-9 nodes
-#: (10², 8², 6², 4², 3² so the lattice mirrors them), heads 2, QSV widths
-#: 32-48-64-64-64 (≈0.148M parameters); the attention controls are matched to it.
+#: (10², 8², 6², 4², 3² so the lattice mirrors them), QSV with the paper's 16
+#: heads at width 64 (one 4-channel block per head); the attention controls keep
+#: their own 4 heads and are parameter-matched to that QSV model.
 CPU_SCALE_MODEL_ARGS: Dict[str, Dict[str, Any]] = {
-    "qsv": dict(_CPU_SHELLS, widths=_CPU_WIDTHS),
-    "lattice": dict(lattice_sides=(10, 8, 6, 4, 3), heads=2, patch_size=4, widths=_CPU_WIDTHS),
-    "attention-gat": dict(_CPU_SHELLS, qsv_widths=_CPU_WIDTHS),
-    "attention-gatv2": dict(_CPU_SHELLS, qsv_widths=_CPU_WIDTHS),
-    "attention-transformer": dict(_CPU_SHELLS, qsv_widths=_CPU_WIDTHS),
+    "qsv": dict(_CPU_SHELLS, widths=_CPU_WIDTHS, heads=_CPU_QSV_HEADS),
+    "lattice": dict(lattice_sides=(10, 8, 6, 4, 3), patch_size=4, widths=_CPU_WIDTHS,
+                    heads=_CPU_QSV_HEADS),
+    **{control: dict(_CPU_SHELLS, qsv_widths=_CPU_WIDTHS, qsv_heads=_CPU_QSV_HEADS)
+       for control in ("attention-gat", "attention-gatv2", "attention-transformer")},
     "resnet20": {},
 }
 

@@ -211,7 +211,8 @@ def _to_manifold_parameters(model: nn.Module, geoopt: ModuleType) -> List[nn.Par
     return converted
 
 
-def _param_groups(model: nn.Module, sphere: List[nn.Parameter], weight_decay: float) -> List[dict]:
+def _param_groups(model: nn.Module, sphere: List[nn.Parameter], weight_decay: float,
+                  lr: float, sphere_lr_scale: float) -> List[dict]:
     """Split trainable parameters into ``decay`` / ``no_decay`` / ``sphere`` groups."""
     sphere_ids = {id(p) for p in sphere}
     decay, no_decay, on_sphere, seen = [], [], [], set()
@@ -233,9 +234,11 @@ def _param_groups(model: nn.Module, sphere: List[nn.Parameter], weight_decay: fl
     if unregistered:
         raise ValueError(f"{len(unregistered)} sphere parameter(s) are not parameters of the model")
     groups = [
-        {"params": decay, "weight_decay": weight_decay, "sphere": False, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "sphere": False, "name": "no_decay"},
-        {"params": on_sphere, "weight_decay": 0.0, "sphere": True, "name": "sphere"},
+        {"params": decay, "weight_decay": weight_decay, "sphere": False, "name": "decay",
+         "lr": lr},
+        {"params": no_decay, "weight_decay": 0.0, "sphere": False, "name": "no_decay", "lr": lr},
+        {"params": on_sphere, "weight_decay": 0.0, "sphere": True, "name": "sphere",
+         "lr": lr * sphere_lr_scale},
     ]
     groups = [g for g in groups if g["params"]]
     if not groups:
@@ -249,6 +252,7 @@ def build_optimizer(
     weight_decay: float,
     betas: Tuple[float, float] = (0.9, 0.999),
     backend: str = "auto",
+    sphere_lr_scale: float = 1.0,
 ) -> torch.optim.Optimizer:
     """Create the training optimiser for ``model``.
 
@@ -265,6 +269,9 @@ def build_optimizer(
         backend: ``"auto"``, ``"riemannian"`` or ``"projected"`` (see module docstring).
             With ``"riemannian"``, plain ``nn.Parameter`` sphere parameters are
             replaced in the model by ``geoopt.ManifoldParameter`` objects.
+        sphere_lr_scale: learning rate of the sphere parameters relative to ``lr``
+            (a separate step size for the quaternion fields; schedulers scale every
+            group's own initial rate, so the ratio holds throughout).
 
     Returns:
         One optimiser with up to three param groups named ``decay``, ``no_decay``
@@ -281,6 +288,8 @@ def build_optimizer(
         raise ValueError(f"lr must be positive, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
+    if not (sphere_lr_scale > 0 and sphere_lr_scale < float("inf")):
+        raise ValueError(f"sphere_lr_scale must be a positive finite number, got {sphere_lr_scale}")
     geoopt = _import_geoopt() if backend != "projected" else None
     if backend == "auto":
         backend = "riemannian" if geoopt is not None else "projected"
@@ -297,9 +306,9 @@ def build_optimizer(
 
     if backend == "riemannian":
         sphere = _to_manifold_parameters(model, geoopt)
-        groups = _param_groups(model, sphere, weight_decay)
+        groups = _param_groups(model, sphere, weight_decay, lr, sphere_lr_scale)
         return _riemannian_adam_class(geoopt)(groups, lr=lr, betas=betas)
-    groups = _param_groups(model, sphere, weight_decay)
+    groups = _param_groups(model, sphere, weight_decay, lr, sphere_lr_scale)
     return ProjectedAdamW(groups, lr=lr, betas=betas)
 
 

@@ -264,7 +264,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         images, labels = next(iter(train_loader.epoch(0)))
         find_unused = _has_unused_parameters(raw_model, images, labels, autocast)
     optimizer = build_optimizer(raw_model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                backend=cfg.optimizer)
+                                backend=cfg.optimizer, sphere_lr_scale=cfg.field_lr_scale)
     total_steps = cfg.epochs * steps_per_epoch
     warmup_steps = min(total_steps, int(round(cfg.warmup_epochs * steps_per_epoch)))
     scheduler = warmup_cosine(optimizer, warmup_steps, total_steps, cfg.min_lr_ratio)
@@ -284,18 +284,22 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
     def set_budget_lr(next_step: int) -> None:
         if next_step < warmup_steps:
             return  # the step-based warm-up stays as it is
-        used = (budget_clock() - budget_origin) / (60.0 * cfg.time_budget)
+        used = (budget_clock() - budget_origin - eval_charge) / (60.0 * cfg.time_budget)
         by_steps = (next_step - warmup_steps) / max(1, total_steps - warmup_steps)
         progress = min(1.0, max(used, by_steps))
         factor = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * factor
+            group["lr"] = group["initial_lr"] * factor  # keeps each group's own ratio
 
     # ---------------------------------------------------------------- 6. restore or seed
     start_epoch, start_batch = 0, 0
     run = _empty_partial()  # running sums of the current epoch on this rank
     best = {"test_acc": None, "epoch": None}
     total_seconds, last_eval = 0.0, None
+    # Test evaluations at marks of the budget clock (--eval-at-minutes); their cost
+    # is added to the deadline, so they do not take training time from the run.
+    budget_evals: List[Dict[str, Any]] = []
+    eval_charge = 0.0
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -304,6 +308,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         run = dict(ckpt["partial"][rank])
         best = dict(ckpt["best"])
         total_seconds, last_eval = float(ckpt["total_seconds"]), ckpt["last_eval"]
+        budget_evals = list(ckpt.get("budget_evals", []))
+        eval_charge = float(ckpt.get("eval_charge", 0.0))
         restore_rng_state(ckpt["rng"][rank])
         say(f"resumed from {resume_from}: " + (
             f"epoch {start_epoch + 1}, batch {start_batch}/{steps_per_epoch}"
@@ -349,14 +355,38 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                 "scaler": scaler.state_dict(), "epoch": epoch, "batch": batch,
                 "partial": partial_all, "rng": rng_all, "world_size": world_size,
                 "best": dict(best), "total_seconds": total_seconds, "last_eval": last_eval,
-                "steps_per_epoch": steps_per_epoch, "optimizer_backend": backend})
+                "steps_per_epoch": steps_per_epoch, "optimizer_backend": backend,
+                "budget_evals": list(budget_evals), "eval_charge": eval_charge})
 
     # ---------------------------------------------------------------- 9. the loop
     # The budget's clock: wall time, or this process's CPU time (equal compute
     # per run when other work shares the machine).
     budget_clock = _process_clock if cfg.budget_clock == "process" else _clock
     budget_origin = t_start if budget_clock is _clock else 0.0
-    deadline = budget_origin + 60.0 * cfg.time_budget if cfg.time_budget else None
+    deadline = (budget_origin + 60.0 * cfg.time_budget + eval_charge
+                if cfg.time_budget else None)
+    marks = [m for m in cfg.eval_at_minutes
+             if m < (cfg.time_budget or 0) and m not in {e["minutes"] for e in budget_evals}]
+
+    def evaluate_at_mark() -> None:
+        """Evaluate if the budget clock passed the next mark (every rank agrees)."""
+        nonlocal deadline, eval_charge
+        used = budget_clock() - budget_origin - eval_charge
+        due = 1 if marks and used >= 60.0 * marks[0] else 0
+        if dist_info.enabled:
+            due = int(all_reduce_max(torch.tensor([due], device=device)).item())
+        if not due:
+            return
+        t0 = budget_clock()
+        stats = evaluate(eval_model, test_loader, autocast)
+        entry = {"minutes": marks.pop(0), "test_acc": stats["acc"], "test_loss": stats["loss"],
+                 "epoch": epoch, "batch": batch, "step": step, "betas": _betas(raw_model)}
+        budget_evals.append(entry)
+        cost = budget_clock() - t0
+        eval_charge += cost
+        deadline += cost
+        say(f"budget mark {entry['minutes']:g} min: test acc {stats['acc']:.4f} "
+            f"(epoch {epoch + 1}, batch {batch}/{steps_per_epoch})")
     epoch, batch = start_epoch, start_batch  # position: next batch to run
     step = epoch * steps_per_epoch + batch  # global optimiser step
     pending = None  # (step, loss/correct tensor) of the last step, checked one step late
@@ -396,6 +426,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                           desc=f"epoch {epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
                           leave=False, file=sys.stderr) as bar:
                     for images, labels in train_loader.epoch(epoch, start_batch=batch):
+                        if marks:
+                            evaluate_at_mark()
                         stop_reason = _stop_requested(interrupt, deadline, device,
                                                       dist_info.enabled, budget_clock)
                         if stop_reason:
@@ -518,6 +550,7 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         "amp": {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype],
         "compile": cfg.compile, "train_images": len(train_set), "test_images": len(test_set),
         "betas": _betas(raw_model), "torch": torch.__version__,
+        "budget_evals": budget_evals, "budget_eval_seconds": eval_charge,
         "wall_seconds_this_process": _clock() - t_start,
     }
     if is_main:
