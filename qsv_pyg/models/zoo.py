@@ -134,8 +134,9 @@ def _solve_widths(conv: str, num_classes: int, shared: Tuple[Tuple[str, Any], ..
                                          heads=qsv_heads, **shared_kw))
 
     def build(scale: float) -> GraphNet:
-        # Rounded to 4 * heads like QSV's widths, so the controls are as coarse.
-        widths = scale_widths(qsv_widths, scale, 4 * heads)
+        # Rounded to multiples of the heads only (what the convs need): QSV's
+        # widths are multiples of 64 at 16 heads, far too coarse to match within 5%.
+        widths = scale_widths(qsv_widths, scale, heads)
         return _graph_net(num_classes, "shells", conv=conv, widths=widths, heads=heads,
                           **shared_kw)
 
