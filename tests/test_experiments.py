@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from qsv_pyg.experiments import ABLATIONS, CONTROLS, PaperValue, get_table
+from qsv_pyg.experiments.tables import FIELD, STUDY
 from qsv_pyg.experiments import runner
 from qsv_pyg.experiments.report import REPORT_FILES
 from qsv_pyg.experiments.runner import ExperimentError, main, model_overrides_for, run_dir
@@ -57,8 +58,11 @@ def assert_report(folder: Path, labels) -> dict:
 
 
 def test_tables_define_the_paper_rows():
-    assert CONTROLS.slugs == ["qsv", "attention-gat", "attention-transformer", "lattice",
-                              "resnet20"]
+    # The paper's matched attention is scaled-dot-product attention: TransformerConv.
+    assert CONTROLS.slugs == ["qsv", "attention-transformer", "attention-gat",
+                              "attention-gatv2", "lattice", "resnet20"]
+    assert CONTROLS.row("attention-transformer").paper.acc == 87.3
+    assert CONTROLS.row("attention-gat").paper.empty
     assert len(ABLATIONS.rows) == 9 and ABLATIONS.reference == "full"
     assert ABLATIONS.row("both-off").flags() == ["--routing", "uniform",
                                                  "--transport", "identity"]
@@ -67,8 +71,12 @@ def test_tables_define_the_paper_rows():
     # Paper values live in their own field, with their own formatting.
     assert CONTROLS.row("qsv").paper == PaperValue(acc=85.9)
     assert CONTROLS.row("resnet20").paper.text() == "≈93.2"
-    assert ABLATIONS.row("transport-identity").paper.text() == "Δ ≈ −4"
-    assert ABLATIONS.row("routing-uniform").paper.text() == "Δ ≈ 0"
+    assert ABLATIONS.row("transport-identity").paper.text() == "≈81.7"
+    assert ABLATIONS.row("routing-uniform").paper.text() == "≈85.7"
+    assert ABLATIONS.row("both-off").paper.text() == "64.1"
+    assert STUDY.slugs == ["qsv", "attention-transformer", "attention-gat", "lattice",
+                           "resnet20", "transport-identity", "routing-uniform", "both-off"]
+    assert FIELD.row("field-lr5").flags() == ["--field-lr-scale", "5.0"]
     with pytest.raises(KeyError, match="rows: full"):
         ABLATIONS.select(["nope"])
     with pytest.raises(KeyError, match="controls"):
@@ -102,7 +110,7 @@ def test_ablations_run_report_and_reuse(data_dir, tmp_path, monkeypatch, capsys)
     results = assert_report(tmp_path / "ablations", labels)
     assert all(r["measured"]["n"] == 1 for r in results["rows"])
     assert results["rows"][0]["measured"]["delta"] == 0.0
-    assert results["rows"][1]["paper"]["delta"] == -4.0
+    assert results["rows"][1]["paper"]["acc"] == 81.7
     assert results["settings"]["time_budget"] == 1.0
     for slug in rows:
         folder = run_dir(tmp_path, "ablations", slug, 0)

@@ -25,7 +25,7 @@ from qsv_pyg.models import zoo
 from qsv_pyg.nn import QSVConv, fixed_degree_neighbors
 
 # Exact counts of the default (10-class) models, for the record and to catch drift.
-QSV_PARAMS = 561_858
+QSV_PARAMS = 600_490
 RESNET20_PARAMS = 269_722
 
 # Small configurations: 5 levels, k = 4 (3 within the 4-node innermost level).
@@ -35,9 +35,9 @@ WIDTHS = (16, 16, 24, 24, 32)
 SMALL = {
     "qsv": dict(SHELLS, widths=WIDTHS),
     "lattice": dict(LATTICE, widths=WIDTHS),
-    "attention-gat": dict(SHELLS, qsv_widths=WIDTHS, match_tol=0.25),
-    "attention-gatv2": dict(SHELLS, qsv_widths=WIDTHS, match_tol=0.25),
-    "attention-transformer": dict(SHELLS, qsv_widths=WIDTHS, match_tol=0.25),
+    "attention-gat": dict(SHELLS, qsv_widths=WIDTHS, qsv_heads=2, match_tol=0.25),
+    "attention-gatv2": dict(SHELLS, qsv_widths=WIDTHS, qsv_heads=2, match_tol=0.25),
+    "attention-transformer": dict(SHELLS, qsv_widths=WIDTHS, qsv_heads=2, match_tol=0.25),
     "resnet20": dict(),
 }
 CONTROLS = ("attention-gat", "attention-gatv2", "attention-transformer")
@@ -85,14 +85,16 @@ def test_default_parameter_counts():
     assert n == QSV_PARAMS
     assert abs(n - 570_000) <= 0.10 * 570_000
     assert qsv.widths == DEFAULT_WIDTHS and qsv.sizes == (256, 144, 64, 36, 16)
-    assert "0.562M" in qsv.summary() and "qsv on shells" in qsv.summary()
+    assert "0.600M" in qsv.summary() and "qsv on shells" in qsv.summary()
+    assert qsv.heads == 16  # the paper's 16 heads per shell
 
     for name in CONTROLS:
         ctl = build_model(name)
         m = ctl.num_parameters()
         print(f"{name}: {m:,} ({(m - n) / n:+.2%})  widths {ctl.widths}")
         assert abs(m - n) <= 0.05 * n, name
-        assert all(w % (4 * ctl.heads) == 0 for w in ctl.widths)
+        assert ctl.heads == zoo.CONTROL_HEADS  # the controls keep their own heads
+        assert all(w % ctl.heads == 0 for w in ctl.widths)
 
     lattice = build_model("lattice")
     print(f"lattice: {lattice.num_parameters():,}")
@@ -178,7 +180,7 @@ def test_geometric_routing_positions(geometry, images):
 
 
 def test_frozen_field(images):
-    model = small_qsv(frozen_field=True)
+    model = small_qsv(frozen_field=True, beta_prior_weight=0.0)  # no β prior term
     init = [f.quaternions.clone() for f in model.fields]
     forward_backward(model, images)
     params = {id(p) for p in model.parameters()}
@@ -208,7 +210,21 @@ def test_fixed_beta_and_beta_prior(images):
     model.auxiliary_loss().backward()
     assert all(c.log_beta.grad is not None and (c.log_beta.grad > 0).all()
                for c in model.qsv_convs().values())
-    assert small_qsv(beta_prior_weight=0.5, repulsion_weight=0.0).auxiliary_loss() == 0
+    assert small_qsv(beta_prior_weight=0.5, beta_prior=1.0,
+                     repulsion_weight=0.0).auxiliary_loss() == 0
+
+
+def test_beta_prior_centre_does_not_follow_beta_init(images):
+    # The paper's warm start at β₀ = 5 decays back to the prior's fixed point,
+    # so the default centre (0.79) must not move with beta_init.
+    import math
+    for beta_init in (1.0, 5.0):
+        model = small_qsv(beta_init=beta_init)
+        assert model.log_beta_prior == pytest.approx(math.log(0.79))
+        assert model.qsv_options["beta_prior_weight"] > 0  # on by default
+    model = small_qsv(beta_init=5.0, repulsion_weight=0.0)
+    model.auxiliary_loss().backward()
+    assert all((c.log_beta.grad > 0).all() for c in model.qsv_convs().values())
 
 
 def test_betas_returns_every_qsv_layer():

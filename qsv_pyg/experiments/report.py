@@ -41,6 +41,7 @@ from qsv_pyg.training.run_files import (
 )
 from qsv_pyg.training.run_files import read_json as _read_json
 
+from .budget_curve import write_budget_curves
 from .runner import RUNNER_NAME, run_dir
 from .tables import PAPER_SOURCE, Row, Table
 
@@ -96,6 +97,7 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
             "epochs_planned": metrics.get("epochs_planned"),
             "stopped_early": bool(metrics.get("stopped_early")),
             "seconds": metrics.get("seconds"), "device": metrics.get("device"),
+            "budget_evals": metrics.get("budget_evals") or [],
         })
         budget = record.get("time_budget", config.get("time_budget"))
         info["settings"] = {k: config.get(k) for k in _SHARED_SETTINGS}
@@ -526,4 +528,5 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
     paths["results.json"].write_text(json.dumps(public, indent=2) + "\n", encoding="utf-8")
     plot_accuracy(summary, paths["accuracy.png"])
     plot_beta_probe(summary, paths["beta_probe.png"])
+    paths.update(write_budget_curves(summary, folder))
     return paths

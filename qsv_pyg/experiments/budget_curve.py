@@ -1,0 +1,122 @@
+"""Accuracy against training budget: the evaluations a run made at budget marks.
+
+A run trained with ``--time-budget T --eval-at-minutes m1 m2 ...`` stores a test
+evaluation at each mark in ``metrics.json`` (``budget_evals``) and ends with its
+final evaluation at ``T``. This module turns the runs of one table into
+
+* ``budget_curve.md`` / ``budget_curve.csv``: test accuracy (%) per row at every
+  mark (mean over seeds, the seeds' values in the CSV);
+* ``budget_curve.png``: accuracy against budget minutes, one line per row (dots:
+  single seeds), the paper's reported accuracy as a dashed level where there is one.
+
+It reads only what :func:`qsv_pyg.experiments.report.collect` gathered.
+"""
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List
+
+__all__ = ["BUDGET_FILES", "budget_points", "format_budget_markdown", "plot_budget_curves",
+           "write_budget_curves"]
+
+#: Files :func:`write_budget_curves` writes into the table folder.
+BUDGET_FILES = ("budget_curve.md", "budget_curve.csv", "budget_curve.png")
+
+
+def budget_points(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per row: ``{"slug", "label", "paper", "points": {minutes: [acc % per seed]}}``.
+
+    The final evaluation of a run that the budget stopped counts as the point at
+    its budget; a run that finished its epochs earlier contributes its marks only.
+    Rows without any run that has marks are left out.
+    """
+    out = []
+    for entry in summary["rows"]:
+        points: Dict[float, List[float]] = {}
+        for run in entry["measured"]["runs"]:
+            evals = run.get("budget_evals") or []
+            if not evals:
+                continue
+            for e in evals:
+                points.setdefault(float(e["minutes"]), []).append(100.0 * e["test_acc"])
+            budget = (run.get("settings") or {}).get("time_budget")
+            if run.get("stopped_early") and budget:
+                points.setdefault(float(budget), []).append(run["test_acc"])
+        if points:
+            out.append({"slug": entry["slug"], "label": entry["label"],
+                        "paper": entry["paper"]["acc"], "points": dict(sorted(points.items()))})
+    return out
+
+
+def format_budget_markdown(curves: List[Dict[str, Any]]) -> str:
+    """A markdown table: one row per variant, one column per budget mark."""
+    marks = sorted({m for c in curves for m in c["points"]})
+    head = "| Variant | " + " | ".join(f"{m:g} min" for m in marks) + " | Paper |"
+    lines = [head, "|---|" + "---:|" * (len(marks) + 1)]
+    for c in curves:
+        cells = []
+        for m in marks:
+            accs = c["points"].get(m)
+            if not accs:
+                cells.append("—")
+            elif len(accs) == 1:
+                cells.append(f"{accs[0]:.2f}")
+            else:
+                cells.append(f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}")
+        paper = "—" if c["paper"] is None else f"{c['paper']:.1f}"
+        lines.append(f"| {c['label']} | " + " | ".join(cells) + f" | {paper} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_budget_curves(curves: List[Dict[str, Any]], path: "str | Path") -> None:
+    """Accuracy (%) against budget minutes, one line (mean over seeds) per row."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.get_cmap("tab10")
+    for i, c in enumerate(curves):
+        color = colors(i % 10)
+        minutes = list(c["points"])
+        means = [statistics.mean(v) for v in c["points"].values()]
+        ax.plot(minutes, means, marker="o", color=color, label=c["label"])
+        for m, accs in c["points"].items():
+            if len(accs) > 1:
+                ax.scatter([m] * len(accs), accs, s=10, color=color, alpha=0.5)
+    ax.set_xlabel("training budget (CPU-minutes, one thread)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_budget_curves(summary: Dict[str, Any], folder: "str | Path") -> Dict[str, Path]:
+    """Write :data:`BUDGET_FILES` into ``folder`` if any run has budget marks.
+
+    Returns:
+        File name → path written (empty when no run has marks).
+    """
+    curves = budget_points(summary)
+    if not curves:
+        return {}
+    folder = Path(folder)
+    paths = {name: folder / name for name in BUDGET_FILES}
+    paths["budget_curve.md"].write_text(format_budget_markdown(curves), encoding="utf-8")
+    marks = sorted({m for c in curves for m in c["points"]})
+    with open(paths["budget_curve.csv"], "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["slug", "label", "minutes", "n_seeds", "test_acc_mean_pct",
+                         "test_acc_per_seed_pct"])
+        for c in curves:
+            for m in marks:
+                accs = c["points"].get(m, [])
+                writer.writerow([c["slug"], c["label"], m, len(accs),
+                                 round(statistics.mean(accs), 2) if accs else "",
+                                 ";".join(f"{a:.2f}" for a in accs)])
+    plot_budget_curves(curves, paths["budget_curve.png"])
+    return paths
