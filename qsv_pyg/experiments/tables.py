@@ -244,6 +244,7 @@ FIELD = Table(
         Row("field-identity", "Field initialised near the identity", "qsv",
             {"field_init": "identity"}),
         Row("field-lr5", "Field learning rate ×5", "qsv", {"field_lr_scale": 5.0}),
+        Row("field-lr20", "Field learning rate ×20", "qsv", {"field_lr_scale": 20.0}),
         Row("field-lr0.2", "Field learning rate ×0.2", "qsv", {"field_lr_scale": 0.2}),
         Row("no-repulsion", "Repulsion off", "qsv", {"repulsion_weight": 0.0}),
         Row("beta-warm5", "β warm-start 5 (prior pulls it back)", "qsv", {"beta_init": 5.0}),
