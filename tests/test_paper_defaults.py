@@ -40,6 +40,9 @@ def test_presets_follow_the_paper():
         assert preset_config(f"paper-{model}").repulsion_k is None  # model default: 8
     # Controls have no field: no QSV switch in their presets.
     assert preset_config("paper-attention-transformer-cifar100").repulsion_k is None
+    # The field probe's winner (docs/results.md); --field-lr-scale 1 restores the old step.
+    assert preset_config("paper-qsv").field_lr_scale == 20.0
+    assert preset_config("cpu-qsv").field_lr_scale == 20.0
     assert CPU_SCALE_MODEL_ARGS["qsv"]["heads"] == 16
     assert CPU_SCALE_MODEL_ARGS["lattice"]["heads"] == 16
     assert all(name in PRESETS for name in ("cpu-qsv", "cpu-attention-transformer"))
