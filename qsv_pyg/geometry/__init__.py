@@ -1,5 +1,6 @@
 """Node geometry of the quaternion graph models: Fibonacci shells, flat
 lattices, equal-area sphere/square maps and deterministic kNN graphs."""
+from qsv_pyg.geometry.frames import frame_quaternions, local_frames, matrix_to_quaternion
 from qsv_pyg.geometry.hierarchy import Hierarchy
 from qsv_pyg.geometry.knn import dense_neighbors, knn_cross, knn_within
 from qsv_pyg.geometry.lambert import (
@@ -36,4 +37,7 @@ __all__ = [
     "disk_to_square",
     "sphere_to_square",
     "square_to_sphere",
+    "matrix_to_quaternion",
+    "local_frames",
+    "frame_quaternions",
 ]

@@ -1,0 +1,209 @@
+"""Shared parts of the comparison examples (node/graph classification, point clouds).
+
+The models: PyG's ``GAT`` (GATConv), ``GAT(v2=True)`` (GATv2Conv), a ``BasicGNN`` of
+TransformerConv layers, and :class:`qsv_pyg.nn.models.QSV`, all with the same depth,
+heads, dropout and normalisation; each control's hidden width is chosen so that its
+parameter count is closest to the QSV model's. Results print as a markdown table of
+mean ± std over seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+try:
+    import qsv_pyg  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch_geometric.nn import TransformerConv, global_mean_pool  # noqa: E402
+from torch_geometric.nn.models import GAT  # noqa: E402
+from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
+
+from qsv_pyg.nn.models import QSV  # noqa: E402
+
+
+class Transformer(BasicGNN):
+    """``BasicGNN`` of :class:`~torch_geometric.nn.conv.TransformerConv` layers, built
+    like PyG's ``GAT`` (concatenated heads, averaged in a layer mapping to the output)."""
+    supports_edge_weight = False
+    supports_edge_attr = True
+
+    def init_conv(self, in_channels, out_channels, **kwargs):
+        heads = kwargs.pop("heads", 1)
+        concat = not getattr(self, "_is_conv_to_out", False)
+        if concat:
+            out_channels = out_channels // heads
+        return TransformerConv(in_channels, out_channels, heads=heads, concat=concat,
+                               dropout=self.dropout.p, **kwargs)
+
+
+def _controls() -> Dict[str, Callable[..., BasicGNN]]:
+    return {
+        "GAT": lambda *a, **kw: GAT(*a, **kw),
+        "GATv2": lambda *a, **kw: GAT(*a, v2=True, **kw),
+        "Transformer": lambda *a, **kw: Transformer(*a, **kw),
+    }
+
+
+CONTROLS = tuple(_controls())
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def matched_control(name: str, in_channels: int, target: int, num_layers: int,
+                    out_channels: Optional[int], heads: int, **kwargs) -> BasicGNN:
+    """The control ``name`` whose hidden width (a multiple of ``heads``) gives the
+    parameter count closest to ``target``."""
+    build = _controls()[name]
+    best = None
+    for width in range(heads, 1025, heads):
+        model = build(in_channels, width, num_layers, out_channels, heads=heads, **kwargs)
+        gap = abs(num_params(model) - target)
+        if best is None or gap < best[0]:
+            best = (gap, model)
+        elif num_params(model) > target:
+            break
+    assert best is not None
+    return best[1]
+
+
+class PoolClassifier(torch.nn.Module):
+    """Graph classification: ``gnn`` node embeddings, mean-pooled per graph, then a
+    linear map to the classes. ``inputs(batch)`` gives extra keyword arguments of
+    the GNN's forward (e.g. ``quat``)."""
+
+    def __init__(self, gnn: BasicGNN, num_classes: int,
+                 inputs: Optional[Callable[[object], dict]] = None) -> None:
+        super().__init__()
+        self.gnn = gnn
+        self.head = torch.nn.Linear(gnn.out_channels, num_classes)
+        self.inputs = inputs
+
+    def forward(self, batch) -> torch.Tensor:
+        extra = self.inputs(batch) if self.inputs is not None else {}
+        h = self.gnn(batch.x, batch.edge_index, **extra)
+        return self.head(global_mean_pool(h, batch.batch))
+
+
+def train_graphs(model: torch.nn.Module, train_loader, test_loaders: Dict[str, object],
+                 epochs: int, lr: float = 0.01) -> dict:
+    """Adam on cross-entropy; returns the accuracy on every test loader after the
+    last epoch and the mean seconds per training epoch."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    timer = Timer()
+    warm_up(lambda: model(next(iter(train_loader))).sum(), model)
+
+    def one_epoch() -> None:
+        model.train()
+        for batch in train_loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(batch), batch.y).backward()
+            optimizer.step()
+
+    for _ in range(epochs):
+        timer.epoch(one_epoch)
+    model.eval()
+    result = {"time": timer.per_epoch}
+    with torch.no_grad():
+        for name, loader in test_loaders.items():
+            correct = total = 0
+            for batch in loader:
+                correct += int((model(batch).argmax(-1) == batch.y).sum())
+                total += batch.y.numel()
+            result[name] = correct / total
+    return result
+
+
+def warm_up(loss: Callable[[], torch.Tensor], model: torch.nn.Module) -> None:
+    """One untimed forward and backward (no step): one-off costs such as building
+    a kernel on first use stay out of the time per epoch."""
+    loss().backward()
+    model.zero_grad()
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+class Timer:
+    """Accumulates the CPU seconds of the training epochs (this process's CPU
+    time: on cores shared with other jobs it varies less than wall time; with
+    ``--threads 1`` it is close to the wall time of a quiet machine)."""
+
+    def __init__(self) -> None:
+        self.seconds: List[float] = []
+
+    def epoch(self, fn: Callable[[], None]) -> None:
+        start = time.process_time()
+        fn()
+        self.seconds.append(time.process_time() - start)
+
+    @property
+    def per_epoch(self) -> float:
+        return sum(self.seconds) / max(len(self.seconds), 1)
+
+
+def fmt(values: Sequence[float], digits: int = 3) -> str:
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def print_table(title: str, rows: List[dict], metrics: Sequence[str]) -> None:
+    """One markdown table: a row per model, ``metrics`` as mean ± std over seeds."""
+    print(f"\n### {title}\n")
+    print("| model | params | " + " | ".join(metrics) + " | CPU s/epoch |")
+    print("|---|---:|" + "---:|" * len(metrics) + "---:|")
+    for row in rows:
+        cells = [fmt(row[m]) for m in metrics]
+        print(f"| {row['model']} | {row['params']:,} | " + " | ".join(cells)
+              + f" | {fmt(row['time'], 4)} |")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seeds", type=int, default=3, help="number of seeds (default 3)")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny sizes for a test run of a few seconds")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated prefixes: run only the rows whose model "
+                             "name starts with one of them (e.g. 'QSV,GAT')")
+    return parser
+
+
+def selected(specs: List[tuple], models: Optional[str]) -> List[tuple]:
+    """The ``(name, ...)`` rows of ``specs`` chosen by ``--models``."""
+    if models is None:
+        return specs
+    prefixes = tuple(m.strip() for m in models.split(",") if m.strip())
+    chosen = [spec for spec in specs if spec[0].startswith(prefixes)]
+    if not chosen:
+        print(f"error: --models {models!r} matches none of: "
+              f"{', '.join(spec[0] for spec in specs)}", file=sys.stderr)
+        raise SystemExit(2)
+    return chosen
+
+
+def collect(results: Dict[str, dict], name: str, params: int, time_per_epoch: float,
+            **metrics: float) -> None:
+    """Append one seed's numbers to the row ``name`` of ``results``."""
+    row = results.setdefault(name, {"model": name, "params": params, "time": []})
+    row["time"].append(time_per_epoch)
+    for key, value in metrics.items():
+        row.setdefault(key, []).append(value)
+
+
+__all__ = ["QSV", "Transformer", "PoolClassifier", "train_graphs", "CONTROLS", "num_params",
+           "matched_control", "seed_all", "Timer", "warm_up", "fmt", "print_table",
+           "base_parser", "selected", "collect"]

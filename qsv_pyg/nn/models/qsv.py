@@ -1,0 +1,257 @@
+"""``QSV``: a PyG ``BasicGNN`` of :class:`~qsv_pyg.nn.QSVConv` layers."""
+from __future__ import annotations
+
+from typing import Final, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from torch_geometric.nn.conv import MessagePassing
+from torch_geometric.nn.models.basic_gnn import BasicGNN
+from torch_geometric.typing import Adj, OptTensor
+
+from ..qsv_conv import QSVConv
+
+#: Where the model's node quaternions come from (see :class:`QSV`).
+MODEL_QUAT_SOURCES = ("features", "field", "given", "composed")
+
+# What each model-level source asks of every QSVConv layer.
+_CONV_QUAT_SOURCE = {"features": "features", "field": "given", "given": "given",
+                     "composed": "composed"}
+
+
+class QSV(BasicGNN):
+    r"""A stack of :class:`~qsv_pyg.nn.QSVConv` layers with the signature and
+    behaviour of PyG's :class:`~torch_geometric.nn.models.GAT`: ``jk``,
+    ``norm``, ``act``, ``dropout`` (also applied to the attention coefficients,
+    as in ``GAT``), a final linear map with ``jk``, and averaged heads in a last
+    layer that maps to ``out_channels``.
+
+    Widths: each :class:`QSVConv` reads its input in blocks of four channels
+    per head. ``hidden_channels`` must be divisible by ``heads`` (each head
+    outputs ``hidden_channels // heads`` channels, as in ``GAT``); a multiple
+    of ``4 * heads`` keeps the hidden layers' inputs in whole blocks.
+
+    Args:
+        in_channels (int): Size of each input sample, or :obj:`-1` to derive it
+            from the first input.
+        hidden_channels (int): Size of each hidden sample.
+        num_layers (int): Number of message passing layers.
+        out_channels (int, optional): If set, the last layer (or, with ``jk``,
+            a final linear map) outputs this many channels.
+            (default: :obj:`None`)
+        quat_source (str, optional): Where the node quaternions come from.
+            ``"features"``: every layer maps its input features to quaternions
+            (inductive; any graph). ``"field"``: one learned quaternion per node
+            and head, shared by the layers (transductive: needs ``num_nodes``
+            and the same node set at every call, or ``node_id``).
+            ``"given"``: the ``quat`` argument of :meth:`forward` (e.g. from
+            geometry, :func:`qsv_pyg.geometry.frame_quaternions`), used by every
+            layer. ``"composed"``: ``quat ⊗ q(x)``, the given quaternions
+            composed with each layer's feature quaternions.
+            (default: :obj:`"features"`)
+        num_nodes (int, optional): Number of nodes of the field
+            (``quat_source="field"`` only). (default: :obj:`None`)
+        heads (int, optional): Number of quaternions (attention heads) per node.
+            (default: :obj:`1`)
+        concat (bool, optional): Concatenate the heads' outputs in the hidden
+            layers (else average). (default: :obj:`True`)
+        routing (str, optional): Routing of every layer, see
+            :class:`~qsv_pyg.nn.QSVConv`; ``"geometric"`` needs ``pos`` in
+            :meth:`forward`. (default: :obj:`"learned"`)
+        transport (str, optional): ``"sandwich"`` or ``"identity"``.
+            (default: :obj:`"sandwich"`)
+        dropout (float, optional): Dropout probability of the node features
+            (and of the attention coefficients, as in ``GAT``, unless
+            ``attention_dropout`` is given). (default: :obj:`0.`)
+        attention_dropout (float, optional): Dropout probability of the
+            attention coefficients; :obj:`None` means ``dropout``. Attention
+            dropout while training keeps :class:`~qsv_pyg.nn.QSVConv` on its
+            message-passing path; ``0.0`` lets it use its fused kernels.
+            (default: :obj:`None`)
+        act, act_first, act_kwargs, norm, norm_kwargs, jk: As in
+            :class:`~torch_geometric.nn.models.basic_gnn.BasicGNN`.
+        **kwargs (optional): Additional arguments of
+            :class:`~qsv_pyg.nn.QSVConv` (``add_self_loops``, ``root_weight``,
+            ``beta_init``, ``learn_beta``, ``dense_path``, ...).
+
+    Shapes:
+        - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge indices
+          :math:`(2, |\mathcal{E}|)`, quaternions *(given/composed)*
+          :math:`(|\mathcal{V}|, 4)` or :math:`(|\mathcal{V}|, H, 4)`,
+          positions *(geometric routing)* :math:`(|\mathcal{V}|, D)`
+        - **output:** :math:`(|\mathcal{V}|, F_{out})`
+    """
+    supports_edge_weight: Final[bool] = False
+    supports_edge_attr: Final[bool] = False
+    supports_norm_batch: Final[bool]
+
+    def __init__(
+        self,
+        in_channels: int,
+        hidden_channels: int,
+        num_layers: int,
+        out_channels: Optional[int] = None,
+        quat_source: str = "features",
+        num_nodes: Optional[int] = None,
+        attention_dropout: Optional[float] = None,
+        **kwargs,
+    ):
+        if quat_source not in MODEL_QUAT_SOURCES:
+            raise ValueError(f"quat_source={quat_source!r} is not supported; choose one "
+                             f"of {', '.join(repr(s) for s in MODEL_QUAT_SOURCES)}")
+        if isinstance(in_channels, (tuple, list)):
+            raise ValueError("QSV takes an int in_channels; for bipartite graphs use "
+                             "QSVConv directly")
+        if quat_source == "field":
+            if num_nodes is None or num_nodes < 1:
+                raise ValueError("quat_source='field' needs num_nodes, the number of "
+                                 "nodes carrying a learned quaternion")
+        elif num_nodes is not None:
+            raise ValueError(f"num_nodes is only used by quat_source='field', not "
+                             f"{quat_source!r}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        self.quat_source = quat_source
+        self.num_nodes = num_nodes
+        self.attention_dropout = attention_dropout
+        super().__init__(in_channels, hidden_channels, num_layers, out_channels,
+                         **kwargs)
+        heads = self.convs[0].heads
+        if quat_source == "field":
+            assert num_nodes is not None
+            self.quat_field = Parameter(torch.empty(num_nodes, heads, 4))
+        else:
+            self.register_parameter("quat_field", None)
+        self._reset_field()
+
+    def init_conv(self, in_channels: Union[int, Tuple[int, int]], out_channels: int,
+                  **kwargs) -> MessagePassing:
+        heads = kwargs.pop("heads", 1)
+        concat = kwargs.pop("concat", True)
+        dropout = self.attention_dropout
+        kwargs["dropout"] = self.dropout.p if dropout is None else dropout
+        # The layer that maps to out_channels averages its heads (as GAT does).
+        if getattr(self, "_is_conv_to_out", False):
+            concat = False
+        if concat and out_channels % heads != 0:
+            raise ValueError(f"hidden_channels (got {out_channels}) must be divisible "
+                             f"by the number of heads (got {heads}) when heads are "
+                             f"concatenated")
+        if concat:
+            out_channels = out_channels // heads
+        return QSVConv(in_channels, out_channels, heads=heads, concat=concat,
+                       quat_source=_CONV_QUAT_SOURCE[self.quat_source], **kwargs)
+
+    def _reset_field(self) -> None:
+        if self.quat_field is not None:
+            # Near the identity rotation, as QSVConv's feature maps start.
+            with torch.no_grad():
+                self.quat_field.normal_(0.0, 0.5)
+                self.quat_field[..., 0] += 1.0
+
+    def reset_parameters(self):
+        r"""Resets all learnable parameters of the module."""
+        super().reset_parameters()
+        self._reset_field()
+
+    def _layer_quat(self, quat: OptTensor, node_id: OptTensor, num_nodes: int
+                    ) -> OptTensor:
+        """The quaternions every layer receives (``None``: from features)."""
+        if self.quat_source == "features":
+            if quat is not None:
+                raise ValueError("quat_source='features' computes the quaternions from "
+                                 "the features; do not pass quat")
+            return None
+        if self.quat_source == "field":
+            if quat is not None:
+                raise ValueError("quat_source='field' learns the quaternions; do not "
+                                 "pass quat")
+            assert self.quat_field is not None
+            field = self.quat_field if node_id is None else self.quat_field[node_id]
+            if field.size(0) != num_nodes:
+                raise ValueError(
+                    f"the quaternion field has {field.size(0)} rows but the input has "
+                    f"{num_nodes} nodes; pass node_id (the global index of each input "
+                    f"node) for subgraphs")
+            return field
+        if quat is None:
+            raise ValueError(f"quat_source={self.quat_source!r} needs quat, one "
+                             f"quaternion per node ([N, 4] or [N, heads, 4])")
+        return quat
+
+    def forward(  # noqa: C901 (BasicGNN.forward plus quaternions/positions)
+        self,
+        x: Tensor,
+        edge_index: Adj,
+        edge_weight: OptTensor = None,
+        edge_attr: OptTensor = None,
+        batch: OptTensor = None,
+        batch_size: Optional[int] = None,
+        num_sampled_nodes_per_hop: Optional[List[int]] = None,
+        num_sampled_edges_per_hop: Optional[List[int]] = None,
+        quat: OptTensor = None,
+        pos: OptTensor = None,
+        node_id: OptTensor = None,
+    ) -> Tensor:
+        r"""Forward pass; the arguments of :meth:`BasicGNN.forward` plus:
+
+        Args:
+            quat (torch.Tensor, optional): Node quaternions ``[N, 4]`` or
+                ``[N, heads, 4]`` for ``quat_source="given"``/``"composed"``.
+            pos (torch.Tensor, optional): Node positions for
+                ``routing="geometric"``.
+            node_id (torch.Tensor, optional): Global node indices into the
+                learned field (``quat_source="field"``) when ``x`` holds a
+                subgraph, e.g. a :class:`~torch_geometric.loader.NeighborLoader`
+                batch's ``n_id``.
+
+        ``edge_weight`` and ``edge_attr`` are rejected: :class:`QSVConv` uses
+        neither. With ``num_sampled_nodes_per_hop`` the node-wise ``quat``,
+        ``pos`` and field rows are trimmed with the features.
+        """
+        if edge_weight is not None or edge_attr is not None:
+            raise ValueError("QSV does not use edge weights or edge features "
+                             "(QSVConv routes by the node quaternions)")
+        q_all = self._layer_quat(quat, node_id, x.size(0))
+        xs: List[Tensor] = []
+        for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+            if num_sampled_nodes_per_hop is not None:
+                x, edge_index, _ = self._trim(i, num_sampled_nodes_per_hop,
+                                              num_sampled_edges_per_hop, x, edge_index,
+                                              None)
+            # Trimming keeps a prefix of the nodes, so the node-wise inputs are
+            # sliced to the current node count.
+            n = x.size(0)
+            q = None if q_all is None else q_all[:n]
+            p = None if pos is None else pos[:n]
+            x = conv(x, edge_index, quat=q, pos=p)
+            if i < self.num_layers - 1 or self.jk_mode is not None:
+                if self.act is not None and self.act_first:
+                    x = self.act(x)
+                if self.supports_norm_batch:
+                    x = norm(x, batch, batch_size)
+                else:
+                    x = norm(x)
+                if self.act is not None and not self.act_first:
+                    x = self.act(x)
+                x = self.dropout(x)
+                if hasattr(self, "jk"):
+                    xs.append(x)
+        x = self.jk(xs) if hasattr(self, "jk") else x
+        x = self.lin(x) if hasattr(self, "lin") else x
+        return x
+
+    @torch.no_grad()
+    def inference_per_layer(self, layer: int, x: Tensor, edge_index: Adj,
+                            batch_size: int) -> Tensor:
+        if self.quat_source != "features" or self.convs[0].routing == "geometric":
+            raise NotImplementedError(
+                "layer-wise inference passes only features and edges; it supports "
+                "quat_source='features' with non-geometric routing")
+        return super().inference_per_layer(layer, x, edge_index, batch_size)
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, "
+                f"num_layers={self.num_layers}, quat_source={self.quat_source})")
