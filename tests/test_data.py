@@ -323,15 +323,20 @@ def test_download_repairs_corrupt_layout(tiny10, tmp_path):
 
 
 @pytest.mark.parametrize("member", ["../evil.txt", "/tmp/qsv_evil_abs.txt",
-                                    "cifar-10-batches-py/../../evil.txt", "link"])
+                                    "cifar-10-batches-py/../../evil.txt", "link", "hardlink",
+                                    "device"])
 def test_unsafe_archive_rejected(tmp_path, member):
     write_cifar10(tmp_path / "src", per_batch=2)
     archive = tmp_path / "bad.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(tmp_path / "src" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
         info = tarfile.TarInfo(member)
-        if member == "link":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        if member in ("link", "hardlink"):
+            info.type = tarfile.SYMTYPE if member == "link" else tarfile.LNKTYPE
+            info.linkname = "/etc/passwd" if member == "link" else "cifar-10-batches-py/test_batch"
+            tar.addfile(info)
+        elif member == "device":
+            info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
             tar.addfile(info)
         else:
             info.size = 4
@@ -343,6 +348,29 @@ def test_unsafe_archive_rejected(tmp_path, member):
     assert list(root.iterdir()) == []  # staging removed, nothing installed
     assert not (tmp_path / "evil.txt").exists()
     assert not Path("/tmp/qsv_evil_abs.txt").exists()
+
+
+def test_download_reads_every_file_once(tmp_path, monkeypatch):
+    """Unpacking validates the layout by reading it; the requested split comes from that read."""
+    write_cifar10(tmp_path / "src")
+    archive = tmp_path / "c10.tar.gz"
+    md5 = make_archive(tmp_path / "src", archive)
+    reads: list = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        name = Path(str(file)).name
+        if "r" in mode and name.startswith(("data_batch", "test_batch", "batches.meta")):
+            reads.append(name)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    ds = load_cifar("cifar10", "train", tmp_path / "root", download=True, url=str(archive),
+                    md5=md5, progress=False)
+    monkeypatch.undo()
+    assert len(ds) == 30
+    assert sorted(reads) == sorted(["batches.meta", "test_batch"]
+                                   + [f"data_batch_{i}" for i in range(1, 6)]), reads
 
 
 def test_archive_without_valid_layout(tmp_path):

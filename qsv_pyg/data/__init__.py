@@ -1,5 +1,6 @@
-"""CIFAR data: loading/validation/download (:mod:`.cifar`) and on-device batching
-and augmentation (:mod:`.augment`)."""
+"""CIFAR data: the in-memory split (:mod:`.dataset`), loading and validation
+(:mod:`.cifar`, reading through :mod:`.pickles`), download and safe unpacking
+(:mod:`.download`), and on-device batching and augmentation (:mod:`.augment`)."""
 from .augment import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -13,15 +14,8 @@ from .augment import (
     normalize,
     random_crop_flip,
 )
-from .cifar import (
-    CIFAR_NAMES,
-    DATA_DIR_ENV,
-    DataError,
-    ImageDataset,
-    download_cifar,
-    load_cifar,
-    resolve_data_dir,
-)
+from .cifar import CIFAR_NAMES, DATA_DIR_ENV, download_cifar, load_cifar, resolve_data_dir
+from .dataset import DataError, ImageDataset
 
 __all__ = [
     "CIFAR10_MEAN",

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cifar import ImageDataset
+from .dataset import ImageDataset
 
 __all__ = [
     "CIFAR10_MEAN",

@@ -17,35 +17,31 @@ batching and augmentation can run on the model's device (see
 Every file is validated when read: a missing file raises :class:`FileNotFoundError`
 and a corrupt one raises :class:`DataError`, both naming the file and what was
 expected. The pickles are read with a restricted unpickler that only reconstructs
-numpy arrays, so a tampered file cannot run code.
+numpy arrays, so a tampered file cannot run code, and whose result may not expand
+to many more items than the file has bytes, so a small file of shared nested
+lists cannot make numpy allocate gigabytes (:mod:`qsv_pyg.data.pickles`). Downloading
+and unpacking are in :mod:`qsv_pyg.data.download`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import pickle
-import re
 import shutil
-import tarfile
 import tempfile
-import urllib.error
-import urllib.parse
-import urllib.request
-import zlib
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+
+from .dataset import DataError, ImageDataset
+from .download import extract_tar, fetch, local_archive, md5_of
+from .pickles import read_pickle
 
 __all__ = [
     "CIFAR_NAMES",
     "DATA_DIR_ENV",
-    "DataError",
-    "ImageDataset",
     "download_cifar",
     "load_cifar",
     "resolve_data_dir",
@@ -61,12 +57,6 @@ CIFAR_NAMES = ("cifar10", "cifar100")
 
 _SPLITS = ("train", "test")
 _PIXELS = 3 * 32 * 32  # one row of b"data": channel-major RGB 32x32
-_DOWNLOAD_TIMEOUT_S = 60.0
-_CHUNK = 1 << 20
-
-
-class DataError(ValueError):
-    """A dataset file or archive exists but does not hold what was expected."""
 
 
 @dataclass(frozen=True)
@@ -120,100 +110,6 @@ _SPECS = {
         official_sizes={"train": 50000, "test": 10000},
     ),
 }
-
-
-# --------------------------------------------------------------------------- dataset
-
-
-@dataclass
-class ImageDataset:
-    """One split of an image classification dataset, held in memory.
-
-    Attributes:
-        images: ``[N, 3, H, W]`` uint8 tensor (``H = W = 32`` for CIFAR), RGB.
-        labels: ``[N]`` int64 tensor of class indices in ``[0, len(classes))``.
-        classes: class names; ``classes[k]`` names label ``k``.
-
-    Raises:
-        DataError: (on construction) if the tensors have the wrong dtype or shape,
-            disagree in length, or a label has no class name.
-    """
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    classes: list[str]
-
-    def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] != 3:
-            raise DataError(
-                f"ImageDataset.images: expected a uint8 tensor of shape [N, 3, H, W]; got "
-                f"{self.images.dtype} of shape {list(self.images.shape)}")
-        if self.labels.dtype != torch.int64 or self.labels.dim() != 1:
-            raise DataError(
-                f"ImageDataset.labels: expected an int64 tensor of shape [N]; got "
-                f"{self.labels.dtype} of shape {list(self.labels.shape)}")
-        if self.labels.shape[0] != self.images.shape[0]:
-            raise DataError(
-                f"ImageDataset: {self.images.shape[0]} images but {self.labels.shape[0]} labels")
-        if self.labels.numel() and (
-                int(self.labels.min()) < 0 or int(self.labels.max()) >= len(self.classes)):
-            raise DataError(
-                f"ImageDataset.labels: expected values in [0, {len(self.classes)}); got "
-                f"[{int(self.labels.min())}, {int(self.labels.max())}]")
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @property
-    def num_classes(self) -> int:
-        """Number of classes (``len(classes)``)."""
-        return len(self.classes)
-
-    def class_counts(self) -> torch.Tensor:
-        """Number of samples per class.
-
-        Returns:
-            ``[num_classes]`` int64 tensor.
-        """
-        return torch.bincount(self.labels, minlength=self.num_classes)
-
-    def subset(self, n: int, seed: int = 0) -> "ImageDataset":
-        """A deterministic, class-balanced random subset (``--subset`` / ``--test-subset``).
-
-        Samples are drawn round-robin over the classes in a random order fixed by
-        ``seed``, so class counts differ by at most one while every class still has
-        samples left. The selected samples keep their original relative order.
-
-        Args:
-            n: number of samples to keep; ``n >= len(self)`` returns ``self``.
-            seed: seed of the ``torch.Generator`` that fixes the choice.
-
-        Returns:
-            A new dataset with ``min(n, len(self))`` samples (views are not shared:
-            the tensors are copies).
-
-        Raises:
-            ValueError: if ``n < 1``.
-        """
-        if n < 1:
-            raise ValueError(f"subset size must be >= 1; got {n}")
-        total = len(self)
-        if n >= total:
-            return self
-        gen = torch.Generator().manual_seed(int(seed))
-        perm = torch.randperm(total, generator=gen)
-        labels = self.labels[perm]
-        # Rank of every permuted sample among the samples of its own class.
-        order = torch.sort(labels, stable=True).indices
-        sorted_labels = labels[order]
-        class_start = torch.searchsorted(sorted_labels, sorted_labels, side="left")
-        rank = torch.empty_like(perm)
-        rank[order] = torch.arange(total) - class_start
-        # Taking the smallest (rank, position) pairs = round-robin over classes.
-        key = rank * total + torch.arange(total)
-        chosen = perm[torch.argsort(key)[:n]].sort().values
-        return ImageDataset(self.images[chosen].clone(), self.labels[chosen].clone(),
-                            list(self.classes))
 
 
 # --------------------------------------------------------------------------- paths
@@ -276,47 +172,6 @@ def _all_files(spec: _CifarSpec) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- reading
 
 
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickler that only resolves the globals numpy arrays need.
-
-    CIFAR pickles hold dicts, lists, bytes and numpy arrays; refusing every other
-    global means a tampered or mis-downloaded file cannot execute code.
-    """
-
-    _ALLOWED = {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("_codecs", "encode"),  # bytes pickled with protocol 2 by Python 3
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        # Pickles written by numpy < 2 (the official files) name numpy.core.*.
-        if module.startswith("numpy.core."):
-            module = "numpy._core." + module[len("numpy.core."):]
-        if (module, name) not in self._ALLOWED:
-            raise pickle.UnpicklingError(
-                f"refusing to load global {module}.{name} (CIFAR files only contain "
-                "dicts, lists, bytes and numpy arrays)")
-        return super().find_class(module, name)
-
-
-def _unpickle(path: Path, expected: str) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: missing; expected {expected}. The layout in {path.parent} is "
-            "incomplete: re-extract the archive or pass --download.")
-    try:
-        with open(path, "rb") as f:
-            return _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except Exception as exc:  # any failure here means the file is not a CIFAR pickle
-        raise DataError(
-            f"{path}: expected {expected}; unpickling failed ({type(exc).__name__}: {exc}). "
-            "The file is corrupt or truncated: delete it and re-download (--download).") from exc
-
-
 def _bytes_keys(obj: dict) -> dict:
     # Pickles written by Python 3 with str keys are accepted as well.
     return {k.encode() if isinstance(k, str) else k: v for k, v in obj.items()}
@@ -340,7 +195,7 @@ def _read_batch(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarray]:
         f"a pickled dict with b'data' uint8 array of shape [N, {_PIXELS}] (N = 10000 per "
         f"official CIFAR-10 batch) and {spec.label_key!r} list of N ints in "
         f"[0, {spec.num_classes})")
-    obj = _unpickle(path, expected)
+    obj = read_pickle(path, expected)
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected {expected}; got {_describe(obj)}")
     obj = _bytes_keys(obj)
@@ -375,7 +230,7 @@ def _read_classes(layout: Path, spec: _CifarSpec) -> list[str]:
     path = layout / spec.meta_file
     expected = (f"a pickled dict with {spec.names_key!r}: a list of {spec.num_classes} "
                 "class names")
-    obj = _unpickle(path, expected)
+    obj = read_pickle(path, expected)
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected {expected}; got {_describe(obj)}")
     names = _bytes_keys(obj).get(spec.names_key)
@@ -385,8 +240,9 @@ def _read_classes(layout: Path, spec: _CifarSpec) -> list[str]:
     return [n.decode("utf-8") if isinstance(n, bytes) else n for n in names]
 
 
-def _read_split(layout: Path, spec: _CifarSpec, split: str) -> ImageDataset:
-    classes = _read_classes(layout, spec)
+def _read_split(layout: Path, spec: _CifarSpec, split: str,
+                classes: list[str] | None = None) -> ImageDataset:
+    classes = _read_classes(layout, spec) if classes is None else classes
     parts = [_read_batch(layout / f, spec) for f in spec.files[split]]
     data = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])
@@ -400,11 +256,14 @@ def _read_split(layout: Path, spec: _CifarSpec, split: str) -> ImageDataset:
     return ImageDataset(images=images, labels=torch.from_numpy(labels), classes=classes)
 
 
-def _validate_layout(layout: Path, spec: _CifarSpec) -> None:
-    # Reads every file: the only trustworthy check, since copies of CIFAR (such as
-    # re-encoded mirrors) do not match the official per-file checksums.
-    for split in _SPLITS:
-        _read_split(layout, spec, split)
+def _read_layout(layout: Path, spec: _CifarSpec) -> dict[str, ImageDataset]:
+    """Both splits, every file read once: the validation of a layout.
+
+    Reading is the only trustworthy check, since copies of CIFAR (such as
+    re-encoded mirrors) do not match the official per-file checksums.
+    """
+    classes = _read_classes(layout, spec)
+    return {split: _read_split(layout, spec, split, classes) for split in _SPLITS}
 
 
 def load_cifar(name: str, split: str, data_dir: str | os.PathLike | None = None,
@@ -421,7 +280,8 @@ def load_cifar(name: str, split: str, data_dir: str | os.PathLike | None = None,
         download: if the split cannot be read, fetch and unpack the archive into
             ``data_dir`` first (see :func:`download_cifar`).
         url: archive source used with ``download`` (``http(s)://``, ``file://`` or
-            a local path); ``None`` is the official URL.
+            a local path); ``None`` is the official URL. ``--download-url``
+            sets it.
         md5: expected archive checksum used with ``download``; ``None`` is the
             official archive's.
         progress: show a tqdm progress bar while downloading.
@@ -445,139 +305,17 @@ def load_cifar(name: str, split: str, data_dir: str | os.PathLike | None = None,
     if not download and (url is not None or md5 is not None):
         raise ValueError("url and md5 are only used together with download=True")
     root = resolve_data_dir(data_dir)
-    if download:
-        try:
-            return _read_split(_find_layout(root, spec), spec, split)
-        except (FileNotFoundError, DataError) as exc:
-            logger.info("%s not usable under %s (%s); downloading", spec.display, root, exc)
-        download_cifar(spec.name, root, url=url, md5=md5, progress=progress)
-    return _read_split(_find_layout(root, spec), spec, split)
+    try:
+        return _read_split(_find_layout(root, spec), spec, split)
+    except (FileNotFoundError, DataError) as exc:
+        if not download:
+            raise
+        logger.warning("%s is not usable under %s (%s); downloading it", spec.display, root,
+                       exc)
+    return _download(spec, root, url, md5, progress)[split]
 
 
 # --------------------------------------------------------------------------- download
-
-
-def _md5_of(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _local_archive(source: str) -> Path | None:
-    """The local path ``source`` names, or ``None`` if it is a URL."""
-    scheme = urllib.parse.urlparse(source).scheme.lower()
-    # One-letter "schemes" are Windows drive letters.
-    if scheme in ("http", "https", "ftp", "file"):
-        return None
-    if scheme and len(scheme) > 1:
-        raise ValueError(f"unsupported URL scheme {scheme!r} in {source!r}")
-    return Path(source).expanduser()
-
-
-def _fetch(url: str, dest: Path, expected_md5: str, progress: bool) -> None:
-    """Download ``url`` to ``dest`` via a temporary file, verifying its md5."""
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.md5(usedforsecurity=False)
-        received = 0
-        request = urllib.request.Request(url, headers={"User-Agent": "qsv_pyg"})
-        with os.fdopen(fd, "wb") as out:
-            try:
-                response = urllib.request.urlopen(request, timeout=_DOWNLOAD_TIMEOUT_S)
-            except (urllib.error.URLError, OSError) as exc:
-                reason = getattr(exc, "reason", exc)
-                raise OSError(
-                    f"could not download {url}: {reason}. Without internet access, put "
-                    f"the archive or the unpacked folder under {dest.parent} by hand, or "
-                    "pass a reachable copy as url (a local path or file:// URL works)") from exc
-            with response:
-                length = response.headers.get("Content-Length")
-                total = int(length) if length and length.isdigit() else None
-                with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                          desc=dest.name, disable=not progress) as bar:
-                    while chunk := response.read(_CHUNK):
-                        out.write(chunk)
-                        digest.update(chunk)
-                        received += len(chunk)
-                        bar.update(len(chunk))
-        if total is not None and received != total:
-            raise OSError(f"download of {url} was truncated: got {received} of {total} bytes")
-        actual = digest.hexdigest()
-        if actual != expected_md5:
-            raise DataError(
-                f"checksum mismatch for {dest.name} downloaded from {url}: expected md5 "
-                f"{expected_md5}, got {actual}; the downloaded file was deleted")
-        os.replace(tmp, dest)  # atomic: dest is either absent or complete
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _member_path(member: tarfile.TarInfo, archive: Path) -> PurePosixPath | None:
-    """Validated relative path of an archive member (``None`` for the root entry)."""
-    name = member.name.replace("\\", "/")
-    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        raise DataError(f"{archive}: refusing to extract member {member.name!r}: absolute path")
-    parts = [p for p in PurePosixPath(name).parts if p != "."]
-    if ".." in parts:
-        raise DataError(
-            f"{archive}: refusing to extract member {member.name!r}: '..' would escape "
-            "the target folder")
-    if not (member.isfile() or member.isdir()):
-        raise DataError(
-            f"{archive}: refusing to extract member {member.name!r}: only regular files "
-            "and directories are allowed (links and device files are not)")
-    return PurePosixPath(*parts) if parts else None
-
-
-def _extract(archive: Path, root: Path, spec: _CifarSpec) -> Path:
-    """Safely unpack ``archive`` and move its validated layout to ``root/spec.folder``."""
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".extract-"))
-    try:
-        try:
-            with tarfile.open(archive, "r:*") as tar:
-                for member in tar:
-                    rel = _member_path(member, archive)
-                    if rel is None:
-                        continue
-                    target = staging.joinpath(*rel.parts)
-                    if member.isdir():
-                        target.mkdir(parents=True, exist_ok=True)
-                        continue
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    # Copying the bytes ourselves (instead of tar.extract) ignores
-                    # permissions, owners and times stored in the archive.
-                    src = tar.extractfile(member)
-                    assert src is not None  # regular files always have a stream
-                    with src, open(target, "wb") as dst:
-                        shutil.copyfileobj(src, dst, _CHUNK)
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-            raise DataError(f"{archive}: not a readable tar archive ({exc})") from exc
-        unpacked = staging / spec.folder
-        if not unpacked.is_dir():
-            found = sorted(p.name for p in staging.iterdir())
-            raise DataError(
-                f"{archive}: expected the archive to contain {spec.folder}/; found {found}")
-        try:
-            _validate_layout(unpacked, spec)
-        except (FileNotFoundError, DataError) as exc:
-            raise DataError(
-                f"{archive}: does not contain a valid {spec.display} layout: {exc}") from exc
-        final = root / spec.folder
-        if not final.exists():
-            os.replace(unpacked, final)
-        else:
-            # Replace only the files the archive provides; other files stay.
-            for item in unpacked.iterdir():
-                dest = final / item.name
-                if dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
-                os.replace(item, dest)
-        return final
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def download_cifar(name: str, root: str | os.PathLike, url: str | None = None,
@@ -586,11 +324,11 @@ def download_cifar(name: str, root: str | os.PathLike, url: str | None = None,
     """Download and unpack a CIFAR archive into ``root`` unless already present.
 
     Nothing is fetched when ``root/<layout folder>`` already holds a complete, valid
-    layout (every file is read and checked). Otherwise the archive is streamed to a
-    temporary file in ``root``, its md5 is verified, it is renamed into place
+    layout (every file is read and checked). Otherwise the archive is downloaded
+    to a temporary file in ``root``, its md5 is verified, it is renamed into place
     (atomic) and unpacked via a staging folder: members with absolute paths, ``..``
     components, links or device files are rejected, and the layout is validated
-    before it replaces anything in ``root``.
+    before it replaces anything in ``root`` (see :mod:`qsv_pyg.data.download`).
 
     Args:
         name: ``"cifar10"`` or ``"cifar100"``.
@@ -618,31 +356,70 @@ def download_cifar(name: str, root: str | os.PathLike, url: str | None = None,
     layout = root / spec.folder
     if layout.is_dir():
         try:
-            _validate_layout(layout, spec)
+            _read_layout(layout, spec)
             return layout
         except (FileNotFoundError, DataError) as exc:
-            logger.info("existing %s is incomplete or corrupt (%s); downloading again", layout,
-                        exc)
+            logger.warning("existing %s is incomplete or corrupt (%s); downloading it again",
+                           layout, exc)
+    _download(spec, root, url, md5, progress, keep_archive)
+    return layout
+
+
+def _download(spec: _CifarSpec, root: Path, url: str | None, md5: str | None,
+              progress: bool, keep_archive: bool = False) -> dict[str, ImageDataset]:
+    """Fetch (or take the local) archive, unpack it into ``root``; returns both splits."""
     root.mkdir(parents=True, exist_ok=True)
     expected = (md5 or spec.md5).lower()
     source = url or spec.url
-    local = _local_archive(source)
+    local = local_archive(source)
     downloaded = False
     if local is not None:
         if not local.is_file():
             raise FileNotFoundError(f"{local}: archive not found (expected {spec.archive})")
-        actual = _md5_of(local)
+        actual = md5_of(local)
         if actual != expected:
             raise DataError(
                 f"checksum mismatch for {local}: expected md5 {expected}, got {actual}")
         archive = local
     else:
         archive = root / spec.archive
-        if not (archive.is_file() and _md5_of(archive) == expected):
-            _fetch(source, archive, expected, progress)
+        if not (archive.is_file() and md5_of(archive) == expected):
+            fetch(source, archive, expected, progress)
             downloaded = True
     try:
-        return _extract(archive, root, spec)
+        return _install(archive, root, spec)
     finally:
         if downloaded and not keep_archive:
             archive.unlink(missing_ok=True)
+
+
+def _install(archive: Path, root: Path, spec: _CifarSpec) -> dict[str, ImageDataset]:
+    """Unpack ``archive`` in a staging folder, validate it, move it to ``root/spec.folder``."""
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".extract-"))
+    try:
+        extract_tar(archive, staging)
+        unpacked = staging / spec.folder
+        if not unpacked.is_dir():
+            found = sorted(p.name for p in staging.iterdir())
+            raise DataError(
+                f"{archive}: expected the archive to contain {spec.folder}/; found {found}")
+        try:
+            splits = _read_layout(unpacked, spec)
+        except (FileNotFoundError, DataError) as exc:
+            raise DataError(
+                f"{archive}: does not contain a valid {spec.display} layout: {exc}") from exc
+        final = root / spec.folder
+        if not final.exists():
+            os.replace(unpacked, final)
+        else:
+            # Replace only the files the archive provides; other files stay.
+            for item in unpacked.iterdir():
+                dest = final / item.name
+                if dest.is_dir() and not dest.is_symlink():
+                    shutil.rmtree(dest)
+                os.replace(item, dest)
+        return splits
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+

@@ -296,7 +296,7 @@ def find_checkpoint(resume: Optional[PathLike], out_dir: Optional[PathLike]) -> 
 # ============================================================================ checks
 
 
-def prepare_out_dir(path: PathLike) -> bool:
+def prepare_out_dir(path: PathLike) -> Optional[Path]:
     """Create the run folder if needed and make sure files can be written in it.
 
     Call it before loading data, so a bad ``--out-dir`` costs no time.
@@ -305,7 +305,8 @@ def prepare_out_dir(path: PathLike) -> bool:
         path: the run folder.
 
     Returns:
-        Whether the folder was created by this call.
+        The outermost folder this call created (``path`` or one of its parents),
+        or ``None`` when ``path`` existed.
 
     Raises:
         RunFolderError: ``path`` is a file or lies under one, cannot be created,
@@ -320,7 +321,7 @@ def prepare_out_dir(path: PathLike) -> bool:
     if blocker is not None:
         raise RunFolderError(f"--out-dir {path} cannot be created: {blocker} is a file, "
                              "not a folder", errno.ENOTDIR)
-    created = not path.exists()
+    created = next((p for p in reversed((path, *path.parents)) if not p.exists()), None)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

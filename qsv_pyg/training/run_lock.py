@@ -154,8 +154,8 @@ def lock_out_dir(path: PathLike) -> contextlib.ExitStack:
 
     :func:`prepare_out_dir`, then :class:`RunLock`, then
     :func:`clean_stale_temps`. Closing the returned stack releases the lock and,
-    when this call created the folder and the run left nothing in it, removes
-    the folder again (a run that failed on bad data leaves no empty folder).
+    when this call created the folder (and parents) and the run left nothing in
+    it, removes them again (a run that failed on bad data leaves no empty folders).
 
     Raises:
         RunFolderError: see :func:`prepare_out_dir` and :meth:`RunLock.acquire`.
@@ -164,8 +164,8 @@ def lock_out_dir(path: PathLike) -> contextlib.ExitStack:
     created = prepare_out_dir(path)
     stack = contextlib.ExitStack()
     try:
-        if created:
-            stack.callback(_remove_if_empty, path)
+        if created is not None:
+            stack.callback(_remove_if_empty, path, created)
         stack.enter_context(RunLock(path))
         clean_stale_temps(path)
     except BaseException:
@@ -174,7 +174,12 @@ def lock_out_dir(path: PathLike) -> contextlib.ExitStack:
     return stack
 
 
-def _remove_if_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.rmdir()  # fails, as intended, when anything is in it
-
+def _remove_if_empty(path: Path, outermost: Path) -> None:
+    """Remove ``path`` and its parents up to ``outermost`` while they are empty."""
+    for folder in (path, *path.parents):
+        try:
+            folder.rmdir()  # fails, as intended, when anything is in it
+        except OSError:
+            return
+        if folder == outermost:
+            return

@@ -214,8 +214,8 @@ def test_full_disk_is_found_before_data_loading(no_data, tmp_path, capsys, monke
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: real(p)._replace(free=1000))
-    exit_2(args(no_data, tmp_path / "run"), capsys, "free under", "needs about")
-    assert not (tmp_path / "run").exists()  # the run created it and removed it again
+    exit_2(args(no_data, tmp_path / "runs" / "run"), capsys, "free under", "needs about")
+    assert not (tmp_path / "runs").exists()  # the run created both and removed them again
 
 
 def test_disk_full_at_a_checkpoint_exits_2_and_resume_realigns_the_log(data_dir, tmp_path,

@@ -1,0 +1,92 @@
+"""Faults of the data loader (issue 14, items 14 and 15)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qsv_pyg.data import DataError, download_cifar, load_cifar
+
+from tiny_cifar import write_tiny_cifar10  # noqa: E402
+
+
+class NumpyAsked(BaseException):
+    """Raised by the guard below; a BaseException so no ``except Exception`` hides it."""
+
+
+# --------------------------------------------------------------------------- 14. pickle bomb
+
+
+def shared_nested_labels(depth: int = 30) -> list:
+    """``[x, x]`` nested ``depth`` deep: a few hundred bytes pickled, 2**depth ints as numpy."""
+    x = [0]
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+def test_pickle_of_shared_nested_lists_is_refused_before_numpy_sees_it(tmp_path, monkeypatch):
+    write_tiny_cifar10(tmp_path, n_train=10, n_test=2)
+    batch = tmp_path / "cifar-10-batches-py" / "test_batch"
+    labels = shared_nested_labels()
+    batch.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": labels}))
+    assert batch.stat().st_size < 7000  # the 2 x 3072 image bytes and ~700 bytes of labels
+    real_asarray = np.asarray
+
+    def guarded(value, *args, **kwargs):  # numpy would allocate 2**31 int64 here (16 GiB)
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            raise NumpyAsked("numpy asked to convert nested lists")
+        return real_asarray(value, *args, **kwargs)
+
+    monkeypatch.setattr(np, "asarray", guarded)
+    with pytest.raises(DataError, match=r"test_batch.*expand to more than .* items"):
+        load_cifar("cifar10", "test", tmp_path)
+
+
+def test_ordinary_files_are_within_the_bound(tmp_path):
+    """The bound must not refuse real files: labels as a list, filenames sharing one bytes."""
+    write_tiny_cifar10(tmp_path, n_train=500, n_test=100)
+    assert len(load_cifar("cifar10", "train", tmp_path)) == 500
+
+
+# --------------------------------------------------------------------------- 15. download
+
+
+def test_download_error_names_the_flag_that_takes_a_url(tmp_path):
+    with pytest.raises(OSError) as info:
+        download_cifar("cifar10", tmp_path, url="http://127.0.0.1:9/cifar.tar.gz",
+                       md5="0" * 32, progress=False)
+    message = str(info.value)
+    assert "could not download http://127.0.0.1:9/cifar.tar.gz" in message
+    assert "--download-url" in message and "as url" not in message
+    assert not any(tmp_path.iterdir())  # no partial download left
+
+
+def make_archive(tmp_path: Path) -> tuple[Path, str]:
+    src = tmp_path / "src"
+    write_tiny_cifar10(src, n_train=10, n_test=4)
+    archive = tmp_path / "c10.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    return archive, hashlib.md5(archive.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("entry", ["load_cifar", "download_cifar"])
+def test_corrupt_local_copy_is_reported_at_warning_level(tmp_path, caplog, entry):
+    archive, md5 = make_archive(tmp_path)
+    root = tmp_path / "root"
+    write_tiny_cifar10(root, n_train=10, n_test=4)
+    (root / "cifar-10-batches-py" / "test_batch").write_bytes(b"garbage")
+    with caplog.at_level(logging.INFO, logger="qsv_pyg.data"):
+        if entry == "load_cifar":
+            assert len(load_cifar("cifar10", "test", root, download=True, url=str(archive),
+                                  md5=md5, progress=False)) == 4
+        else:
+            download_cifar("cifar10", root, url=str(archive), md5=md5, progress=False)
+    reasons = [r for r in caplog.records if "test_batch" in r.getMessage()]
+    assert reasons and all(r.levelno >= logging.WARNING for r in reasons), caplog.records
