@@ -24,6 +24,7 @@ from .dataset import DataError
 __all__ = ["extract_tar", "fetch", "local_archive", "md5_of"]
 
 _CHUNK = 1 << 20
+_HAS_FILTERS = hasattr(tarfile, "data_filter")  # extraction filters (PEP 706)
 
 
 def md5_of(path: Path) -> str:
@@ -102,6 +103,8 @@ def _refuse_unsafe(archive: Path):
         if not (member.isfile() or member.isdir()):
             raise refuse(member, "only regular files and directories are allowed (links "
                                  "and device files are not)")
+        if not _HAS_FILTERS:
+            return member
         try:
             return tarfile.data_filter(member, dest)  # also drops owners and odd modes
         except tarfile.FilterError as exc:
@@ -121,6 +124,10 @@ def extract_tar(archive: Path, dest: Path) -> None:
     """
     try:
         with tarfile.open(archive, "r:*") as tar:
-            tar.extractall(dest, filter=_refuse_unsafe(archive))
+            check = _refuse_unsafe(archive)
+            if _HAS_FILTERS:
+                tar.extractall(dest, filter=check)
+            else:  # Python < 3.10.12 / 3.11.4: our checks alone, before anything is written
+                tar.extractall(dest, members=[check(m, str(dest)) for m in tar])
     except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
         raise DataError(f"{archive}: not a readable tar archive ({exc})") from exc
