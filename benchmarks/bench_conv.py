@@ -1,16 +1,23 @@
-"""QSVConv against PyG's attention layers on the same Fibonacci kNN graphs.
+"""QSVConv against PyG's attention layers, a bare SpMM and a spherical peer.
 
-Every layer sees the same graph (``knn_within`` on a Fibonacci sphere, no
-self-loops), the same node features, the same number of heads and the same
-input/output width. Reported per (N, k): median forward and forward+backward
-times, memory, and each layer's time as a ratio to QSVConv's, measured side by
-side in one run.
+Graph families (``--graphs``): ``knn`` (``knn_within`` on a Fibonacci sphere,
+target-sorted, exactly ``k`` edges per target), ``random`` (``N * k`` edges
+with uniform random sources and targets: variable in-degree, shuffled order)
+and ``s2`` (the equiangular grids of torch-harmonics' ``NeighborhoodAttentionS2``,
+with QSVConv on a kNN graph of the same number of points and mean neighbour
+count; skipped when torch-harmonics is not installed: ``pip install --no-deps
+torch-harmonics``). Every layer sees the same graph, features, heads and width.
+``spmm`` is the floor: one CSR sparse-dense product of the features over the
+same edges (and its transposed product in the backward). Reported per graph:
+median forward and forward+backward times, memory, and each layer's time as a
+ratio to QSVConv's, measured side by side in one run.
 
 Examples::
 
     python benchmarks/bench_conv.py                       # N in {1k, 4k, 16k}, k in {8, 16, 32}
     python benchmarks/bench_conv.py --quick               # a 1-minute smoke run
-    python benchmarks/bench_conv.py --sizes 1024 4096 16384 65536 --ks 16 --plot out.png
+    python benchmarks/bench_conv.py --graphs random --channels 64 --heads 16
+    python benchmarks/bench_conv.py --graphs s2 --s2-nlat 32 --s2-cutoffs 0.1 0.16
 """
 from __future__ import annotations
 
@@ -30,7 +37,49 @@ from torch_geometric.nn import GATConv, GATv2Conv, SimpleConv, TransformerConv  
 from qsv_pyg.geometry import fibonacci_sphere, knn_within  # noqa: E402
 from qsv_pyg.nn import QSVConv  # noqa: E402
 
-LAYERS = ("qsv", "qsv-field", "gat", "gatv2", "transformer", "simple-sum")
+LAYERS = ("qsv", "qsv-field", "gat", "gatv2", "transformer", "simple-sum", "spmm")
+GRAPHS = ("knn", "random", "s2")
+S2_LAYERS = ("qsv", "qsv-field", "nattn-s2", "spmm")
+
+
+def random_graph(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``n * k`` edges, sources and targets uniform: variable in-degree, shuffled."""
+    return torch.randint(0, n, (2, n * k), generator=gen)
+
+
+def _csr(rows: torch.Tensor, cols: torch.Tensor, n: int) -> torch.Tensor:
+    order = torch.argsort(rows, stable=True)
+    counts = torch.bincount(rows, minlength=n)
+    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return torch.sparse_csr_tensor(crow, cols[order], torch.ones(rows.numel()), (n, n))
+
+
+class _AdjacencyProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, adj, adj_t):
+        ctx.adj_t = adj_t
+        return adj @ x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.adj_t @ grad, None, None
+
+
+class SpMM(torch.nn.Module):
+    """The floor: ``A @ x`` with ``A`` the graph's CSR adjacency (ones); the
+    backward is one SpMM with the precomputed ``A^T``."""
+
+    def __init__(self, edge_index: torch.Tensor, n: int):
+        super().__init__()
+        self.adj = _csr(edge_index[1], edge_index[0], n)
+        self.adj_t = _csr(edge_index[0], edge_index[1], n)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.adj, self.adj_t = fn(self.adj), fn(self.adj_t)
+        return super()._apply(fn, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AdjacencyProduct.apply(x, self.adj, self.adj_t)
 
 
 def make_layer(name: str, channels: int, heads: int) -> torch.nn.Module:
@@ -49,15 +98,33 @@ def make_layer(name: str, channels: int, heads: int) -> torch.nn.Module:
         return TransformerConv(channels, out, heads=heads)
     if name == "simple-sum":
         return SimpleConv(aggr="sum")
+    if name in ("spmm", "nattn-s2"):
+        raise ValueError(f"layer {name!r} is built per graph (see bench_graph)")
     raise ValueError(f"unknown layer {name!r}; choose from {LAYERS}")
 
 
+def s2_peer(nlat: int, cutoff: float, channels: int, heads: int):
+    """torch-harmonics' neighbourhood attention on an ``nlat x 2 nlat`` grid, and
+    its mean neighbour count (or ``None`` when torch-harmonics is absent)."""
+    try:
+        from torch_harmonics import NeighborhoodAttentionS2
+    except ImportError:
+        return None, 0
+    layer = NeighborhoodAttentionS2(channels, in_shape=(nlat, 2 * nlat),
+                                    out_shape=(nlat, 2 * nlat), num_heads=heads,
+                                    theta_cutoff=cutoff)
+    # psi lists the neighbours of one output point per latitude (longitude shifts).
+    return layer, round(layer.psi_col_idx.numel() / nlat)
+
+
 def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
-                device: torch.device, repeats: int, min_time: float,
-                seed: int = 0) -> Dict[str, Dict[str, float]]:
+                device: torch.device, repeats: int, min_time: float, graph: str = "knn",
+                peer: torch.nn.Module = None, seed: int = 0) -> Dict[str, Dict[str, float]]:
     gen = torch.Generator().manual_seed(seed)
-    pos = fibonacci_sphere(n)
-    edge_index = knn_within(pos, k).to(device)
+    if graph == "random":
+        edge_index = random_graph(n, k, gen).to(device)
+    else:
+        edge_index = knn_within(fibonacci_sphere(n), k).to(device)
     x = torch.randn(n, channels, generator=gen).to(device)
     quat = torch.randn(n, heads, 4, generator=gen).to(device)
     fwd: Dict[str, Callable[[], None]] = {}
@@ -65,12 +132,22 @@ def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
     runs: Dict[str, Callable[[], torch.Tensor]] = {}
     for name in layers:
         torch.manual_seed(seed)
-        layer = make_layer(name, channels, heads).to(device)
+        if name == "spmm":
+            layer = SpMM(edge_index.cpu(), n).to(device)
+        elif name == "nattn-s2":
+            layer = peer.to(device)
+        else:
+            layer = make_layer(name, channels, heads).to(device)
         xin = x.clone().requires_grad_(True)
+        if name == "nattn-s2":  # [1, C, nlat, nlon]
+            nlat = layer.nlat_in
+            xin = x.t().reshape(1, channels, nlat, 2 * nlat).clone().requires_grad_(True)
 
         def run(layer=layer, xin=xin, name=name) -> torch.Tensor:
             if name == "qsv-field":
                 return layer(xin, edge_index, quat=quat)
+            if name in ("spmm", "nattn-s2"):
+                return layer(xin)
             return layer(xin, edge_index)
 
         def forward(run=run) -> None:
@@ -96,14 +173,15 @@ def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
 
 def format_table(rows: List[dict], layers: List[str], key: str) -> str:
     ref = "qsv"
-    head = ["N", "k"] + [f"{name} ms" for name in layers] + \
+    head = ["graph", "N", "k"] + [f"{name} ms" for name in layers] + \
         [f"qsv/{name}" for name in layers if name != ref]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         r = row["layers"]
-        cells = [str(row["n"]), str(row["k"])]
-        cells += [f"{r[name][key]:.2f}" for name in layers]
-        cells += [f"{r[ref][key] / r[name][key]:.2f}" for name in layers if name != ref]
+        cells = [row["graph"], str(row["n"]), str(row["k"])]
+        cells += [f"{r[name][key]:.2f}" if name in r else "-" for name in layers]
+        cells += [f"{r[ref][key] / r[name][key]:.2f}" if name in r else "-"
+                  for name in layers if name != ref]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,11 +191,14 @@ def plot_time_vs_n(rows: List[dict], layers: List[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks = sorted({row["k"] for row in rows})
+    ks = sorted({row["k"] for row in rows if row["graph"] == "knn"}) or [0]
     fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
     for ax, k in zip(axes[0], ks):
-        sub = sorted((r for r in rows if r["k"] == k), key=lambda r: r["n"])
+        sub = sorted((r for r in rows if r["k"] == k and r["graph"] == "knn"),
+                     key=lambda r: r["n"])
         for name in layers:
+            if not all(name in r["layers"] for r in sub):
+                continue
             ax.loglog([r["n"] for r in sub], [r["layers"][name]["fwd_bwd_ms"] for r in sub],
                       marker="o", label=name)
         ax.set_xlabel("nodes N")
@@ -132,11 +213,16 @@ def plot_time_vs_n(rows: List[dict], layers: List[str], path: str) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--graphs", nargs="+", default=["knn", "random"], choices=GRAPHS)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--s2-nlat", type=int, nargs="+", default=[32],
+                        help="s2 graphs: latitudes of the equiangular grid (2 nlat^2 points)")
+    parser.add_argument("--s2-cutoffs", type=float, nargs="+", default=[0.1, 0.16],
+                        help="s2 graphs: neighbourhood radii (radians)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-time", type=float, default=0.5,
                         help="keep repeating until this many seconds were measured")
@@ -156,31 +242,46 @@ def main(argv=None) -> dict:
 
     from tqdm import tqdm
     rows = []
-    grid = [(n, k) for n in args.sizes for k in args.ks]
-    for n, k in tqdm(grid, desc="graphs"):
-        rows.append({"n": n, "k": k, "layers": bench_graph(
+    grid = [(g, n, k) for g in args.graphs if g != "s2" for n in args.sizes for k in args.ks]
+    for g, n, k in tqdm(grid, desc="graphs"):
+        rows.append({"graph": g, "n": n, "k": k, "layers": bench_graph(
             n, k, args.layers, args.channels, args.heads, device, args.repeats,
-            args.min_time)})
+            args.min_time, graph=g)})
+    if "s2" in args.graphs:
+        for nlat in args.s2_nlat:
+            for cutoff in args.s2_cutoffs:
+                peer, k = s2_peer(nlat, cutoff, args.channels, args.heads)
+                if peer is None:
+                    print("torch-harmonics is not installed: s2 graphs skipped "
+                          "(pip install --no-deps torch-harmonics)")
+                    break
+                layers = [x for x in S2_LAYERS if x in args.layers + ["nattn-s2"]]
+                rows.append({"graph": "s2", "n": 2 * nlat * nlat, "k": k, "cutoff": cutoff,
+                             "layers": bench_graph(2 * nlat * nlat, k, layers, args.channels,
+                                                   args.heads, device, args.repeats,
+                                                   args.min_time, graph="s2", peer=peer)})
 
     print(f"\nchannels={args.channels} heads={args.heads} device={device} "
           f"threads={torch.get_num_threads()}")
     print("\nforward + backward (median ms; ratio < 1 means QSVConv is faster)")
-    print(format_table(rows, args.layers, "fwd_bwd_ms"))
+    layers = list(dict.fromkeys(x for row in rows for x in row["layers"]))
+    print(format_table(rows, layers, "fwd_bwd_ms"))
     print("\nforward only (median ms)")
-    print(format_table(rows, args.layers, "forward_ms"))
+    print(format_table(rows, layers, "forward_ms"))
     mem_key = "peak_mib" if device.type == "cuda" else "saved_mib"
     print(f"\nmemory ({mem_key}, MiB)")
-    head = ["N", "k"] + args.layers
+    head = ["graph", "N", "k"] + layers
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
-        print("| " + " | ".join([str(row["n"]), str(row["k"])] + [
-            f"{row['layers'][name][mem_key]:.1f}" for name in args.layers]) + " |")
+        print("| " + " | ".join([row["graph"], str(row["n"]), str(row["k"])] + [
+            f"{row['layers'][name][mem_key]:.1f}" if name in row["layers"] else "-"
+            for name in layers]) + " |")
 
     payload = {"args": vars(args), "machine": machine_info(device), "results": rows}
     write_json(args.out, payload)
     print(f"\nwrote {args.out}")
     if args.plot:
-        plot_time_vs_n(rows, args.layers, args.plot)
+        plot_time_vs_n(rows, layers, args.plot)
         print(f"wrote {args.plot}")
     return payload
 

@@ -12,7 +12,7 @@ out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python benchmarks/bench_conv.py --device cuda --sizes 4096 16384 65536 --ks 16 \
+python benchmarks/bench_conv.py --device cuda --graphs knn random --sizes 4096 16384 65536 --ks 16 \
     --repeats 20 --min-time 0.2 --out "$out/bench_conv_gpu.json" --plot "$out/bench_conv_gpu.png"
 python benchmarks/bench_train.py --device cuda --batch-size 256 --amp bf16 \
     --repeats 20 --out "$out/bench_train_gpu_bf16.json"

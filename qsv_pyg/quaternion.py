@@ -236,7 +236,7 @@ def matrix_rotate_blocks(rot: Tensor, x: Tensor) -> Tensor:
     v = x[..., 1:]
     # [..., B, 3] @ [..., 3, 3] as one batched matmul. Leading dims of x that
     # rot lacks (a batch of images sharing a per-node field) are folded into
-    # the rows rather than broadcast: 2x faster on CPU, measured.
+    # the rows rather than broadcast (faster on CPU; see benchmarks/README.md).
     extra = v.dim() - rot.dim()
     if extra > 0 and tuple(v.shape[extra:-2]) == tuple(rot.shape[:-2]):
         lead = list(range(extra))

@@ -31,7 +31,7 @@ def fixed_degree_edge_index(num_nodes: int, k: int, seed: int = 0,
                             include_self: bool = False) -> Tensor:
     """kNN-like graph: ``k`` distinct random sources per target, target-sorted.
 
-    Exactly the layout :func:`qsv_pyg.nn.fixed_degree_neighbors` recognises.
+    Exactly the layout :func:`qsv_pyg.geometry.dense_neighbors` recognises.
     """
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(num_nodes, num_nodes, generator=g)

@@ -27,16 +27,50 @@ def test_interleaved_timing_runs_round_robin():
 def test_bench_conv_writes_every_layer_and_summarizes(tmp_path, capsys):
     out = tmp_path / "conv.json"
     payload = bench_conv.main(["--sizes", "64", "128", "--ks", "4", "--repeats", "1",
-                               "--min-time", "0", "--out", str(out)])
+                               "--min-time", "0", "--graphs", "knn", "random",
+                               "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["results"] == json.loads(json.dumps(payload["results"]))
+    assert [r["graph"] for r in saved["results"]] == ["knn"] * 2 + ["random"] * 2
     for row in saved["results"]:
         assert set(row["layers"]) == set(bench_conv.LAYERS)
         for res in row["layers"].values():
             assert res["forward_ms"] > 0 and res["fwd_bwd_ms"] > 0 and res["saved_mib"] >= 0
     text = summarize.conv_tables(saved)
-    assert "QSVConv (qsv) ≤ 0.8× gat" in text and "QSVConv (qsv-field) ≤ 0.5× transformer" in text
-    assert "qsv-field linear in N·k (k = 4)" in text
+    assert "knn: QSVConv (qsv) ≤ 0.8× gat" in text
+    assert "random: QSVConv (qsv-field) ≤ 0.5× transformer" in text
+    assert "knn: QSVConv (qsv) ≤ 3.0× spmm" in text
+    assert "qsv-field linear in N·k (knn, k = 4)" in text
+
+
+def test_random_graphs_have_variable_degree_and_shuffled_edges():
+    ei = bench_conv.random_graph(200, 8, torch.Generator().manual_seed(0))
+    assert ei.shape == (2, 1600)
+    deg = torch.bincount(ei[1], minlength=200)
+    assert deg.min() < 8 < deg.max()
+    assert not bool((ei[1][1:] >= ei[1][:-1]).all())
+
+
+def test_spmm_floor_is_the_adjacency_product():
+    ei = torch.tensor([[1, 2, 0, 2], [0, 0, 1, 2]])
+    x = torch.randn(3, 5, requires_grad=True)
+    ref = torch.zeros(3, 5).index_add(0, ei[1], x[ei[0]])
+    out = bench_conv.SpMM(ei, 3)(x)
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(3, 5)
+    (g, ) = torch.autograd.grad((out * w).sum(), x)
+    (g_ref, ) = torch.autograd.grad((ref * w).sum(), x)
+    torch.testing.assert_close(g, g_ref)
+
+
+def test_s2_peer_is_optional_and_timed_on_its_grid(tmp_path):
+    pytest.importorskip("torch_harmonics")
+    payload = bench_conv.main(["--graphs", "s2", "--s2-nlat", "8", "--s2-cutoffs", "0.5",
+                               "--channels", "16", "--heads", "4", "--repeats", "1",
+                               "--min-time", "0", "--out", str(tmp_path / "s2.json")])
+    (row, ) = payload["results"]
+    assert row["graph"] == "s2" and row["n"] == 128 and row["k"] > 0
+    assert set(row["layers"]) == {"qsv", "qsv-field", "nattn-s2", "spmm"}
 
 
 def test_bench_conv_rejects_unknown_layer():

@@ -22,7 +22,8 @@ from qsv_pyg.models import (
     scale_widths,
 )
 from qsv_pyg.models import zoo
-from qsv_pyg.nn import QSVConv, fixed_degree_neighbors
+import qsv_pyg.nn.qsv_conv as qsv_conv_module
+from qsv_pyg.geometry import dense_neighbors
 
 # Exact counts of the default (10-class) models, for the record and to catch drift.
 QSV_PARAMS = 600_490
@@ -319,20 +320,22 @@ def test_graphs_are_buffers(images):
     torch.testing.assert_close(clone(images), model(images))
 
 
-def test_dense_path_is_used_and_matches_message_passing(images, monkeypatch):
+def test_fast_path_is_used_and_matches_message_passing(images, monkeypatch):
     model = small_qsv()
     for key, edges in model.graph_buffers().items():
         s = int(key.rsplit("_", 1)[1]) + 1 if key.startswith("cross") else -1
-        assert fixed_degree_neighbors(edges, model.sizes[s]) is not None, key
+        assert dense_neighbors(edges, model.sizes[s]) is not None, key
 
     calls = []
-    original = QSVConv._dense_aggregate
+    original = qsv_conv_module.choose_path
 
-    def spy(self, *args, **kwargs):
-        calls.append(self)
-        return original(self, *args, **kwargs)
+    def spy(conv, *args, **kwargs):
+        path = original(conv, *args, **kwargs)
+        if path != "message_passing":
+            calls.append(conv)
+        return path
 
-    monkeypatch.setattr(QSVConv, "_dense_aggregate", spy)
+    monkeypatch.setattr(qsv_conv_module, "choose_path", spy)
     out = model(images)
     assert len(calls) == len(model.qsv_convs()) == 6
 

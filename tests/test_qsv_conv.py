@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.nn.parameter import UninitializedParameter
 
-from qsv_pyg.nn import QSVConv, fixed_degree_neighbors, qsv_conv_reference, unit_quaternion
+import qsv_pyg.nn.qsv_conv as qsv_conv_module
+from qsv_pyg.nn import QSVConv, graph_csr, qsv_conv_reference, unit_quaternion
 from qsv_pyg.quaternion import (
     conjugate,
     hamilton_product,
@@ -60,16 +61,18 @@ def inputs(num_nodes, channels, heads, dtype=torch.float32, seed=0, batch=None):
     return x, quat, pos
 
 
-def spy_dense(conv):
-    """Count calls of the fixed-degree kernel on this instance."""
+def spy_fast(conv, monkeypatch):
+    """Record the fast-path choices (:func:`choose_path`) of this instance."""
     calls = []
-    orig = conv._dense_aggregate
+    orig = qsv_conv_module.choose_path
 
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
+    def spy(layer, *args, **kwargs):
+        path = orig(layer, *args, **kwargs)
+        if layer is conv and path != "message_passing":
+            calls.append(path)
+        return path
 
-    conv._dense_aggregate = wrapped
+    monkeypatch.setattr(qsv_conv_module, "choose_path", spy)
     return calls
 
 
@@ -96,12 +99,12 @@ def in_degree(edge_index, num_nodes, dtype=torch.float32):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_matches_reference(routing, transport, quat_mode, heads, concat, self_loops,
-                           graph_kind, dtype, random_graph, knn_graph):
+                           graph_kind, dtype, random_graph, knn_graph, monkeypatch):
     graph = random_graph if graph_kind == "random" else knn_graph
     C = 8 * heads
     conv = make_conv(C, 5, heads, dtype, routing=routing, transport=transport,
                      concat=concat, add_self_loops=self_loops)
-    calls = spy_dense(conv)
+    calls = spy_fast(conv, monkeypatch)
     x, quat, pos = inputs(graph.num_nodes, C, heads, dtype, seed=heads)
     q = quat if quat_mode == "given" else None
     out, (ei, alpha) = conv(x, graph.edge_index, quat=q, pos=pos,
@@ -112,9 +115,8 @@ def test_matches_reference(routing, transport, quat_mode, heads, concat, self_lo
     assert alpha.shape == (ei.size(1), heads)
     close(out, ref, dtype)
     close(alpha, ref_alpha, dtype)
-    # The fixed-degree kernel is what ran on the kNN graph (self-loops appended
-    # at the end break the target-sorted layout, so that case scatters).
-    assert len(calls) == int(graph_kind == "knn" and not self_loops)
+    # Every graph takes the fast path (the registered operator).
+    assert calls == ["attend_shared"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -179,7 +181,7 @@ def test_literal_single_edge():
     close(out[0], root[0], torch.float64)  # no incoming edge
 
 
-# ------------------------------------------------- dense vs message passing
+# ------------------------------------------ fast path vs message passing
 def _run_with_grads(conv, x, ei, quat, pos, weight):
     conv.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
@@ -191,12 +193,15 @@ def _run_with_grads(conv, x, ei, quat, pos, weight):
     return out.detach(), alpha.detach(), x.grad, None if q is None else q.grad, grads
 
 
+@pytest.mark.parametrize("graph_kind", ["random", "knn"])
 @pytest.mark.parametrize("mode", ["2d", "batched_shared", "batched_per_item",
                                   "features", "batched_features"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_dense_path_matches_message_passing(routing, transport, mode, knn_graph):
-    N, H, C = knn_graph.num_nodes, 2, 16
+def test_fast_path_matches_message_passing(routing, transport, mode, graph_kind, knn_graph,
+                                           random_graph, monkeypatch):
+    graph = random_graph if graph_kind == "random" else knn_graph
+    N, H, C = graph.num_nodes, 2, 16
     conv = make_conv(C, 3, H, routing=routing, transport=transport)
     batch = None if mode in ("2d", "features") else 3
     x, quat, pos = inputs(N, C, H, seed=7, batch=batch)
@@ -205,56 +210,49 @@ def test_dense_path_matches_message_passing(routing, transport, mode, knn_graph)
     elif mode in ("features", "batched_features"):
         quat = None
     weight = torch.randn(*x.shape[:-1], 3 * H, generator=gen(8))
-    calls = spy_dense(conv)
+    calls = spy_fast(conv, monkeypatch)
     conv.dense_path = "auto"
-    dense = _run_with_grads(conv, x, knn_graph.edge_index, quat, pos, weight)
-    assert len(calls) == 1
+    fast = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
+    per_item = mode in ("batched_per_item", "batched_features")
+    assert calls == ["attend_per_item" if per_item else "attend_shared"]
     conv.dense_path = "never"
-    scatter = _run_with_grads(conv, x, knn_graph.edge_index, quat, pos, weight)
+    scatter = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
     assert len(calls) == 1
-    conv.dense_path = "always"
-    always = _run_with_grads(conv, x, knn_graph.edge_index, quat, pos, weight)
+    conv.dense_path = "always"  # a synonym of "auto" now
+    always = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
     assert len(calls) == 2
 
     for run in (always, scatter):
-        close(dense[0], run[0], msg=lambda m: f"output: {m}")
-        assert dense[1].shape == run[1].shape
-        close(dense[1], run[1], msg=lambda m: f"alpha: {m}")
-        close(dense[2], run[2], msg=lambda m: f"grad x: {m}")
+        close(fast[0], run[0], msg=lambda m: f"output: {m}")
+        assert fast[1].shape == run[1].shape
+        close(fast[1], run[1], msg=lambda m: f"alpha: {m}")
+        close(fast[2], run[2], msg=lambda m: f"grad x: {m}")
         if quat is not None:
-            close(dense[3], run[3], msg=lambda m: f"grad quat: {m}")
-        assert dense[4].keys() == run[4].keys()
-        for name, g in dense[4].items():
-            if g is None:
-                assert run[4][name] is None, name
+            close(fast[3], run[3], msg=lambda m: f"grad quat: {m}")
+        assert fast[4].keys() == run[4].keys()
+        for name, g in fast[4].items():
+            if g is None or run[4][name] is None:
+                assert g is None or not g.any(), name
+                assert run[4][name] is None or not run[4][name].any(), name
             else:
                 close(g, run[4][name], msg=lambda m, n=name: f"grad {n}: {m}")
-    assert dense[2].abs().sum() > 0
+    assert fast[2].abs().sum() > 0
     if routing in ("learned", "abs", "geometric"):
-        assert dense[4]["log_beta"] is not None and dense[4]["log_beta"].abs().sum() > 0
+        assert fast[4]["log_beta"] is not None and fast[4]["log_beta"].abs().sum() > 0
 
 
-def test_dense_path_always_rejects_irregular_graph(random_graph):
-    conv = QSVConv(8, 4, dense_path="always")
+def test_graph_csr_is_built_once_per_graph(random_graph, monkeypatch):
+    import qsv_pyg.nn.csr as csr
+    builds = []
+    orig = csr.build_csr
+    monkeypatch.setattr(csr, "build_csr", lambda *a: builds.append(1) or orig(*a))
+    conv = make_conv(8, 4, 2)
+    ei = random_graph.edge_index.clone()  # a fresh tensor: not cached yet
     x = torch.randn(random_graph.num_nodes, 8)
-    with pytest.raises(ValueError, match="dense_path='always'"):
-        conv(x, random_graph.edge_index)
-    with pytest.raises(ValueError, match="dense_path='always'"):
-        conv(x.expand(2, -1, -1), random_graph.edge_index)
-    # Same number of edges per target but not target-sorted.
-    ei = torch.tensor([[1, 2, 0, 2, 0, 1], [0, 1, 2, 0, 1, 2]])
-    assert fixed_degree_neighbors(ei, 3) is None
-    with pytest.raises(ValueError, match="dense_path='always'"):
-        conv(torch.randn(3, 8), ei)
-
-
-def test_fixed_degree_neighbors(knn_graph):
-    nbr = fixed_degree_neighbors(knn_graph.edge_index, knn_graph.num_nodes)
-    assert nbr.shape == (knn_graph.num_nodes, 3)
-    assert torch.equal(nbr.reshape(-1), knn_graph.edge_index[0])
-    assert fixed_degree_neighbors(knn_graph.edge_index[:, :-1], knn_graph.num_nodes) is None
-    assert fixed_degree_neighbors(torch.empty(2, 0, dtype=torch.long), 4) is None
-    assert fixed_degree_neighbors(knn_graph.edge_index, 0) is None
+    for _ in range(3):
+        conv(x, ei)
+    assert builds == [1]
+    assert graph_csr(ei, random_graph.num_nodes, random_graph.num_nodes).num_edges == ei.size(1)
 
 
 # ------------------------------------------------------------ batched mode
@@ -503,8 +501,6 @@ def test_lazy_in_channels(random_graph, make_random_graph):
     close(out, ref)
     with pytest.raises(ValueError, match="layer was built for 16"):
         conv(torch.randn(N, 8), ei)
-    with pytest.raises(ValueError, match="multiple of 4 \\* heads = 8"):
-        QSVConv(-1, 4, heads=2)(torch.randn(N, 12), ei)
     # Lazy bipartite.
     ei_b = make_random_graph(6, 9, seed=21, num_dst=4)
     conv_b = QSVConv((-1, -1), 3, heads=2)
@@ -517,6 +513,44 @@ def test_lazy_in_channels(random_graph, make_random_graph):
     conv_q = QSVConv(-1, 4, heads=2, quat_source="given")
     _, quat, _ = inputs(N, 16, 2)
     assert conv_q(x, ei, quat=quat).shape == (N, 8)
+
+
+@pytest.mark.parametrize("in_channels,heads", [(34, 2), (5, 1), (29, 4), (1, 3)])
+def test_any_input_width_is_zero_padded(in_channels, heads, random_graph):
+    N, ei = random_graph.num_nodes, random_graph.edge_index
+    conv = make_conv(in_channels, 3, heads)
+    pad = -(-in_channels // (4 * heads)) * 4 * heads
+    assert conv.weight.shape == (heads, pad // heads, 3)
+    x, _, _ = inputs(N, in_channels, heads, seed=5)
+    x.requires_grad_()
+    out = conv(x, ei)
+    ref, _ = qsv_conv_reference(conv, x, ei)
+    close(out, ref)
+    # The padding is zeros: the same as feeding the padded features to a layer
+    # whose quaternion and skip maps see only the real channels.
+    wide = torch.nn.functional.pad(x, (0, pad - in_channels))
+    assert torch.equal(conv.pad_source(x), wide)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+    with pytest.raises(ValueError, match="layer was built for"):
+        conv(torch.randn(N, pad + 1), ei)
+
+
+@pytest.mark.parametrize("in_channels", [-1, (-1, -1)])
+def test_lazy_layer_loads_a_state_dict_before_its_first_call(in_channels, random_graph):
+    N, ei = random_graph.num_nodes, random_graph.edge_index
+    x = torch.randn(N, 34)
+    src = QSVConv(in_channels, 4, heads=2)
+    expected = src(x, ei) if isinstance(in_channels, int) else src((x, x), ei)
+    fresh = QSVConv(in_channels, 4, heads=2)
+    fresh.load_state_dict(src.state_dict())
+    assert fresh.weight.shape == src.weight.shape == (2, 20, 4)
+    got = fresh(x, ei) if isinstance(in_channels, int) else fresh((x, x), ei)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # An uninitialised state dict makes a materialised layer lazy again (as in PyG).
+    again = QSVConv(34, 4, heads=2)
+    again.load_state_dict(QSVConv(-1, 4, heads=2).state_dict(), strict=False)
+    assert isinstance(again.weight, UninitializedParameter)
 
 
 # ----------------------------------------------- degenerate graphs / inputs
@@ -731,7 +765,7 @@ class _TwoLayer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("index", [None, 2])
-def test_attention_explainer(index, knn_graph):
+def test_attention_explainer(index, knn_graph, monkeypatch):
     from torch_geometric.explain import AttentionExplainer, Explainer
     torch.manual_seed(0)
     model = _TwoLayer().eval()
@@ -744,15 +778,15 @@ def test_attention_explainer(index, knn_graph):
                           return_type="raw"),
     )
     x = torch.randn(knn_graph.num_nodes, 8)
-    # The kNN graph would take the fixed-degree path; the explainer's hooks must
-    # force message passing so that the attention weights can be read.
+    # The explainer's hooks must force message passing so that the attention
+    # weights can be read.
     explanation = explainer(x, knn_graph.edge_index, index=index)
     E = knn_graph.num_edges
     assert explanation.edge_mask.shape == (E, )
     assert (explanation.edge_mask > 0).any()
     assert explanation.edge_mask.min() >= 0 and explanation.edge_mask.max() <= 1
-    # Hooks are removed afterwards: the dense path is back.
-    calls = spy_dense(model.conv2)
+    # Hooks are removed afterwards: the fast path is back.
+    calls = spy_fast(model.conv2, monkeypatch)
     model(x, knn_graph.edge_index)
     assert len(calls) == 1
 
@@ -794,9 +828,9 @@ def test_to_hetero():
 
 # --------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(in_channels=10, out_channels=4), "multiple of 4 \\* heads = 4"),
-    (dict(in_channels=8, out_channels=4, heads=3), "multiple of 4 \\* heads = 12"),
-    (dict(in_channels=(6, 8), out_channels=4), "multiple of 4"),
+    (dict(in_channels=0, out_channels=4), "in_channels must be a positive integer"),
+    (dict(in_channels=-2, out_channels=4), "in_channels must be a positive integer"),
+    (dict(in_channels=(8, 0), out_channels=4), "target in_channels"),
     (dict(in_channels=8, out_channels=4, routing="dot"),
      "routing='dot'.*'learned', 'abs', 'uniform', 'geometric'"),
     (dict(in_channels=8, out_channels=4, transport="rotate"),
@@ -854,43 +888,3 @@ def test_forward_errors(random_graph):
     # check_finite=False skips the check (and its host sync).
     out = QSVConv(8, 4, heads=2, check_finite=False)(bad, ei)
     assert not torch.isfinite(out).all()
-
-
-# --------------------------------------------------------------------------
-# Sparse (SpMM/SDDMM) kernels of the fixed-degree path and their pattern cache.
-def test_sparse_kernels_match_gather_reference_and_gradcheck():
-    from qsv_pyg.nn.fixed_degree import (_SparseEdgeDot, _WeightedNeighborSum, gather_rows,
-                                         neighbor_dot, weighted_neighbor_sum)
-    gen = torch.Generator().manual_seed(3)
-    nbr = torch.randint(0, 6, (9, 4), generator=gen)
-    for rest in [(5,), (3, 4)]:
-        v = torch.randn(6, 2, *rest, dtype=torch.float64, generator=gen).requires_grad_()
-        a = torch.randn(9, 4, 2, dtype=torch.float64, generator=gen).requires_grad_()
-        ref = _WeightedNeighborSum.apply(a, v, nbr)
-        assert torch.allclose(weighted_neighbor_sum(a, v, nbr), ref)
-        assert torch.autograd.gradcheck(lambda a, v: weighted_neighbor_sum(a, v, nbr), (a, v))
-    qa = torch.randn(9, 2, 4, dtype=torch.float64, generator=gen).requires_grad_()
-    qb = torch.randn(6, 2, 4, dtype=torch.float64, generator=gen).requires_grad_()
-    ref = (qa.unsqueeze(-3) * gather_rows(qb, nbr, -3)).sum(-1)
-    assert torch.allclose(neighbor_dot(qa, qb, nbr), ref)
-    assert torch.autograd.gradcheck(lambda a, b: neighbor_dot(a, b, nbr), (qa, qb))
-    # The SDDMM kernel itself (neighbor_dot picks it only for large graphs).
-    assert torch.allclose(_SparseEdgeDot.apply(qa, qb, nbr), ref)
-    assert torch.autograd.gradcheck(lambda a, b: _SparseEdgeDot.apply(a, b, nbr), (qa, qb))
-
-
-def test_sparse_pattern_cache_never_serves_a_stale_graph():
-    from qsv_pyg.nn.fixed_degree import _WeightedNeighborSum, weighted_neighbor_sum
-    gen = torch.Generator().manual_seed(4)
-    v = torch.randn(6, 2, 3, generator=gen)
-    a = torch.rand(5, 3, 2, generator=gen)
-    for _ in range(20):  # fresh tables of one shape: addresses may repeat once freed
-        nbr = torch.randint(0, 6, (5, 3), generator=gen)
-        assert torch.allclose(weighted_neighbor_sum(a, v, nbr),
-                              _WeightedNeighborSum.apply(a, v, nbr), atol=1e-6)
-        del nbr
-    nbr = torch.randint(0, 6, (5, 3), generator=gen)
-    weighted_neighbor_sum(a, v, nbr)
-    nbr[0, 0] = (nbr[0, 0] + 1) % 6  # in-place edit bumps the version: re-derived
-    assert torch.allclose(weighted_neighbor_sum(a, v, nbr),
-                          _WeightedNeighborSum.apply(a, v, nbr), atol=1e-6)

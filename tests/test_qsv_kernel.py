@@ -1,11 +1,11 @@
-"""The fused QSV aggregation (qsv_pyg.nn.qsv_kernel) and its block-matrix helpers."""
+"""The QSV attention operator (qsv_pyg.nn.qsv_kernel), its CSR graphs and block matrices."""
 import pytest
 import torch
 
 import qsv_pyg.nn._cpu_ext as cpu_ext
-import qsv_pyg.nn.qsv_conv as qsv_conv_module
-from qsv_pyg.nn import QSVConv, unit_quaternion
-from qsv_pyg.nn.qsv_kernel import qsv_aggregate, softmax_last
+from qsv_pyg.nn import QSVConv, graph_csr, qsv_attend, unit_quaternion
+from qsv_pyg.nn.csr import batch_csr, build_csr
+from qsv_pyg.nn.qsv_kernel import _ext, attend
 from qsv_pyg.quaternion import (
     block_matrix_to_quaternion_grad,
     conjugate,
@@ -15,8 +15,6 @@ from qsv_pyg.quaternion import (
     random_unit_quaternion,
     rotate,
 )
-
-from conftest import fixed_degree_edge_index
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5),
@@ -65,167 +63,233 @@ def test_block_matrix_grad_matches_autograd():
     torch.testing.assert_close(block_matrix_to_quaternion_grad(q.detach(), g), auto)
 
 
-# ------------------------------------------------------------------ softmax
-@pytest.mark.parametrize("k", [1, 2, 5, 8, 15, 16, 17, 32])
-def test_softmax_last_matches_torch(k):
-    s = 30.0 * torch.randn(50, 3, k, generator=gen(k))
-    s[0, 0] = 1e4  # large logits must not overflow
-    out = softmax_last(s)
-    torch.testing.assert_close(out, torch.softmax(s, dim=-1))
-    assert torch.isfinite(out).all()
+# ---------------------------------------------------------------- the operator
+def random_graph(n_src, n_dst, num_edges, seed, isolated=(0, )):
+    """Random edges in shuffled order; the targets in ``isolated`` get none."""
+    g = gen(seed)
+    src = torch.randint(0, n_src, (num_edges, ), generator=g)
+    dst = torch.randint(0, n_dst, (num_edges, ), generator=g)
+    for i in isolated:
+        dst[dst == i] = (i + 1) % n_dst
+    return torch.stack([src, dst])
 
 
-# ---------------------------------------------------------------- the kernel
-def literal(v, q_src, q_dst, beta, nbr, use_abs):
-    """Per edge, straight from the definition: r = q_i* q_j, sandwich, softmax."""
-    n, k = nbr.shape
-    q_dst = q_src if q_dst is None else q_dst
-    qi = q_dst.unsqueeze(1).expand(n, k, *q_dst.shape[1:])        # [n, k, H, 4]
-    qj = q_src[nbr]                                                # [n, k, H, 4]
-    r = hamilton_product(conjugate(qi), qj)
-    logit = r[..., 0].abs() if use_abs else r[..., 0]
-    alpha = torch.softmax(beta * logit, dim=1)                     # [n, k, H]
-    msg = rotate(r.unsqueeze(-2), v[nbr])                          # [n, k, H, M, 4]
-    return (alpha[..., None, None] * msg).sum(dim=1), alpha
+def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs):
+    """Per edge, from the definition: logit beta <k_i, k_j>, softmax over each
+    target's edges, message Q_i^T Q_j v_j (r = q_i* q_j sandwich), sum."""
+    src, dst = edge_index
+    d = (k_dst[dst] * k_src[src]).sum(-1)
+    logit = beta * (d.abs() if use_abs else d)
+    alpha = torch.zeros_like(logit)
+    for i in range(num_dst):
+        m = dst == i
+        if m.any():
+            alpha[m] = torch.softmax(logit[m], dim=0)
+    msg = v[src]
+    if q_src is not None:
+        r = hamilton_product(conjugate(q_dst[dst]), q_src[src])
+        msg = rotate(r.unsqueeze(-2), msg)
+    z = v.new_zeros(num_dst, *v.shape[1:]).index_add(0, dst, alpha[..., None, None] * msg)
+    return z, alpha
+
+
+def operator_inputs(n_src, n_dst, H, M, D, dtype, seed, rotate=True):
+    g = gen(seed)
+    v = torch.randn(n_src, H, M, 4, generator=g, dtype=dtype)
+    q_s = random_unit_quaternion(n_src, H, generator=g, dtype=dtype) if rotate else None
+    q_d = random_unit_quaternion(n_dst, H, generator=g, dtype=dtype) if rotate else None
+    k_s = torch.randn(n_src, H, D, generator=g, dtype=dtype)
+    k_d = torch.randn(n_dst, H, D, generator=g, dtype=dtype)
+    beta = 0.5 + torch.rand(H, generator=g, dtype=dtype)
+    return v, q_s, q_d, k_s, k_d, beta
+
+
+def in_edge_order(alpha, graph):
+    return torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+
+
+GRAPHS = {  # (n_src, n_dst, edges)
+    "random": (13, 13, 50),
+    "bipartite": (11, 7, 30),
+    "empty": (5, 4, 0),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("use_abs", [False, True])
-@pytest.mark.parametrize("bipartite", [False, True])
-@pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
-def test_matches_literal_formula(dtype, use_abs, bipartite, comp, impl):
-    n_src, k, H, M = 30, 5, 3, 4
-    n_dst = 12 if bipartite else n_src
-    nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(4))
-    v = torch.randn(n_src, H, M, 4, generator=gen(5), dtype=dtype)
-    q_src = random_unit_quaternion(n_src, H, generator=gen(6), dtype=dtype)
-    q_dst = random_unit_quaternion(n_dst, H, generator=gen(7), dtype=dtype) if bipartite \
-        else None
-    beta = torch.tensor([0.5, 2.0, 7.0], dtype=dtype)
-    if comp:
-        z, alpha = qsv_aggregate(v.transpose(2, 3), q_src, q_dst, beta, nbr, use_abs,
-                                 component_major=True)
-        z = z.transpose(2, 3)
-    else:
-        z, alpha = qsv_aggregate(v, q_src, q_dst, beta, nbr, use_abs)
-    ref_z, ref_alpha = literal(v, q_src, q_dst, beta, nbr, use_abs)
+@pytest.mark.parametrize("graph_kind", list(GRAPHS))
+@pytest.mark.parametrize("keys,rotate", [(4, True), (0, True), (4, False), (3, True)],
+                         ids=["quaternion", "uniform", "no-transport", "positions"])
+def test_matches_literal_formula(dtype, use_abs, graph_kind, keys, rotate, impl):
+    n_src, n_dst, num_edges = GRAPHS[graph_kind]
+    H, M = 3, 2
+    ei = random_graph(n_src, n_dst, num_edges, seed=4)
+    graph = graph_csr(ei, n_src, n_dst)
+    args = operator_inputs(n_src, n_dst, H, M, keys, dtype, seed=5, rotate=rotate)
+    z, alpha = qsv_attend(*args, graph, use_abs)
+    ref_z, ref_alpha = literal(*args, ei, n_dst, use_abs)
     torch.testing.assert_close(z, ref_z, **TOL[dtype])
-    torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])
+    torch.testing.assert_close(in_edge_order(alpha, graph), ref_alpha, **TOL[dtype])
+    assert torch.equal(z[0], torch.zeros_like(z[0]))  # target 0 is isolated
 
 
+@pytest.mark.parametrize("keys,rotate", [(4, True), (0, True), (5, False)])
 @pytest.mark.parametrize("use_abs", [False, True])
-@pytest.mark.parametrize("bipartite", [False, True])
-@pytest.mark.parametrize("comp", [False, True], ids=["block-major", "component-major"])
-def test_gradcheck(use_abs, bipartite, comp, impl):
-    n_src, k, H, M = 16, 4, 2, 3
-    n_dst = 9 if bipartite else n_src
-    nbr = torch.randint(0, n_src, (n_dst, k), generator=gen(8))
-    d = torch.float64
-    v = torch.randn(n_src, H, M, 4, generator=gen(9), dtype=d, requires_grad=True)
-    p_src = torch.randn(n_src, H, 4, generator=gen(10), dtype=d, requires_grad=True)
-    p_dst = torch.randn(n_dst, H, 4, generator=gen(11), dtype=d, requires_grad=True)
-    beta = (0.5 + torch.rand(H, generator=gen(12), dtype=d)).requires_grad_()
+def test_gradcheck(keys, rotate, use_abs, impl):
+    n_src, n_dst, H, M = 9, 6, 2, 2
+    ei = random_graph(n_src, n_dst, 22, seed=6)
+    graph = graph_csr(ei, n_src, n_dst)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys, torch.float64,
+                                                  seed=7, rotate=rotate)
+    ps = [t.requires_grad_() for t in (v, q_s, q_d, k_s, k_d, beta) if t is not None]
 
-    def f(v, p_src, p_dst, beta):
-        q_dst = unit_quaternion(p_dst) if bipartite else None
-        return qsv_aggregate(v.transpose(2, 3) if comp else v, unit_quaternion(p_src),
-                             q_dst, beta, nbr, use_abs, component_major=comp)
+    def f(*ts):
+        it = iter(ts)
+        v_ = next(it)
+        qs_, qd_ = (unit_quaternion(next(it)), unit_quaternion(next(it))) if rotate \
+            else (None, None)
+        z, alpha = qsv_attend(v_, qs_, qd_, next(it), next(it), next(it), graph, use_abs)
+        return z, alpha
 
-    # Both outputs (features and attention weights) carry gradients.
-    assert torch.autograd.gradcheck(f, (v, p_src, p_dst, beta))
-
-
-def test_only_needed_gradients(impl):
-    n, k, H, M = 10, 3, 2, 2
-    nbr = torch.randint(0, n, (n, k), generator=gen(13))
-    v = torch.randn(n, H, M, 4, generator=gen(14), requires_grad=True)
-    q = random_unit_quaternion(n, H, generator=gen(15))  # a fixed field
-    beta = torch.ones(H)
-    z, _ = qsv_aggregate(v, q, None, beta, nbr)
-    z.sum().backward()
-    assert v.grad is not None and torch.isfinite(v.grad).all()
+    # fast_mode: one random projection per input (the full Jacobian is slow to
+    # take numerically on a busy 2-core machine).
+    assert torch.autograd.gradcheck(f, tuple(ps), fast_mode=True)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(v=torch.randn(10, 2, 3)), "must be \\[N_src, H, M, 4\\]"),
-    (dict(v=torch.randn(10, 2, 3, 4), component_major=True), "must be \\[N_src, H, 4, M\\]"),
-    (dict(q_src=torch.randn(10, 3, 4)), "must be \\[N_src, H, M, 4\\]"),
-    (dict(q_dst=torch.randn(4, 2, 4)), "q_dst"),
-    (dict(beta=torch.ones(3)), "beta"),
-    (dict(nbr=torch.zeros(6, 3, dtype=torch.long)), "6 targets but 10 sources"),
+def test_only_attention_weights_used(impl):
+    n, H, M = 10, 2, 2
+    ei = random_graph(n, n, 35, seed=33)
+    graph = graph_csr(ei, n, n)
+    v = torch.randn(n, H, M, 4, generator=gen(34), dtype=torch.float64)
+    p = torch.randn(n, H, 4, generator=gen(35), dtype=torch.float64, requires_grad=True)
+    beta = torch.ones(H, dtype=torch.float64, requires_grad=True)
+
+    def f(p, b):
+        q = unit_quaternion(p)
+        return qsv_attend(v, q, q, q, q, b, graph)[1]
+
+    assert torch.autograd.gradcheck(f, (p, beta), fast_mode=True)
+
+
+def test_opcheck(impl):
+    n_src, n_dst, H, M = 8, 5, 2, 3
+    ei = random_graph(n_src, n_dst, 20, seed=40)
+    g = graph_csr(ei, n_src, n_dst)
+    for keys, rotate in ((4, True), (0, False)):
+        v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys,
+                                                      torch.float64, seed=41, rotate=rotate)
+        empty = v.new_empty(0, H, 4)
+        args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
+                empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
+                k_d.requires_grad_(), beta.requires_grad_(), g.rowptr, g.col, g.row,
+                g.rowptr_t, g.perm_t, g.row_t, False, rotate)
+        torch.library.opcheck(attend, args)
+
+
+def test_double_backward_is_refused_clearly(impl):
+    n, H = 8, 1
+    graph = graph_csr(random_graph(n, n, 20, seed=22), n, n)
+    v = torch.randn(n, H, 1, 4, requires_grad=True)
+    q = random_unit_quaternion(n, H, generator=gen(23))
+    z, _ = qsv_attend(v, q, q, q, q, torch.ones(H), graph)
+    (g, ) = torch.autograd.grad(z.pow(2).sum(), v, create_graph=True)
+    with pytest.raises(RuntimeError, match="[Aa]utograd"):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(v=torch.randn(6, 2, 3)), "v .* must be \\[N_src, H, M, 4\\]"),
+    (dict(q_src=torch.randn(6, 3, 4)), "quaternions must be \\[6, 2, 4\\]"),
+    (dict(k_dst=torch.randn(5, 2, 3)), "keys"),
+    (dict(beta=torch.ones(3)), "beta .* must be \\[2\\]"),
 ])
 def test_shape_errors(bad, match):
-    args = dict(v=torch.randn(10, 2, 3, 4), q_src=torch.randn(10, 2, 4), q_dst=None,
-                beta=torch.ones(2), nbr=torch.zeros(10, 3, dtype=torch.long))
+    graph = graph_csr(random_graph(6, 6, 10, seed=8), 6, 6)
+    q = random_unit_quaternion(6, 2)
+    args = dict(v=torch.randn(6, 2, 3, 4), q_src=q, q_dst=q, k_src=q, k_dst=q,
+                beta=torch.ones(2), graph=graph)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
-        qsv_aggregate(**args)
+        qsv_attend(**args)
 
 
-# ---------------------------------------------------- inside QSVConv (dispatch)
-def spy_fused(monkeypatch):
-    calls = []
-    original = qsv_conv_module.qsv_aggregate
-
-    def spy(*args, **kwargs):
-        calls.append(1 + int(kwargs.get("component_major", False)))  # 2: component-major
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(qsv_conv_module, "qsv_aggregate", spy)
-    return calls
-
-
-def grads(conv, x, out):
-    params = [p for p in conv.parameters()]
-    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
-                               [x] + params)
+def test_operator_under_cpu_autocast_runs_in_float32():
+    n, H = 12, 2
+    graph = graph_csr(random_graph(n, n, 40, seed=24), n, n)
+    v = torch.randn(n, H, 2, 4, generator=gen(25))
+    q = random_unit_quaternion(n, H, generator=gen(26))
+    ref, _ = qsv_attend(v, q, q, q, q, torch.ones(H), graph)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z, alpha = qsv_attend(v.bfloat16(), q, q, q, q, torch.ones(H), graph)
+    assert z.dtype == alpha.dtype == torch.float32
+    torch.testing.assert_close(z, ref, atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("routing", ["learned", "abs"])
-@pytest.mark.parametrize("mode", ["features", "field", "batched-field", "wide-batched-field"])
-def test_conv_fused_equals_unfused(monkeypatch, dtype, routing, mode, impl):
-    # "wide-batched-field" has 8 * 8 / 4 = 16 blocks per head: component-major.
-    n, k, H, C = 24, 5, 2, 8
-    edge_index = fixed_degree_edge_index(n, k, seed=1)
-    torch.manual_seed(0)
-    conv = QSVConv(H * C, 6, heads=H, routing=routing, beta_init=1.7,
-                   quat_source="features" if mode == "features" else "given").to(dtype)
-    lead = {"batched-field": (3, n), "wide-batched-field": (8, n)}.get(mode, (n, ))
-    x = torch.randn(*lead, H * C, generator=gen(16), dtype=dtype, requires_grad=True)
-    quat = None if mode == "features" else torch.randn(n, H, 4, generator=gen(17), dtype=dtype)
-
-    calls = spy_fused(monkeypatch)
-    out, (_, alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
-    expected = [2] if mode == "wide-batched-field" else [1]
-    assert calls == expected
-    g = grads(conv, x, out)
-
-    monkeypatch.setattr(QSVConv, "_use_fused", lambda self, *a: False)
-    ref, (_, ref_alpha) = conv(x, edge_index, quat=quat, return_attention_weights=True)
-    assert calls == expected
-    g_ref = grads(conv, x, ref)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    torch.testing.assert_close(alpha, ref_alpha, **TOL[dtype])
-    for a, b in zip(g, g_ref):
-        torch.testing.assert_close(a, b, **TOL[dtype])
+# ------------------------------------------------------------------- the CSR
+def test_csr_of_a_shuffled_graph():
+    ei = random_graph(9, 6, 31, seed=9)
+    g = build_csr(ei, 9, 6)
+    deg = torch.bincount(ei[1], minlength=6)
+    assert torch.equal(g.rowptr[1:] - g.rowptr[:-1], deg)
+    assert torch.equal(ei[0][g.perm], g.col) and torch.equal(ei[1][g.perm], g.row)
+    assert bool((g.row[1:] >= g.row[:-1]).all())
+    assert torch.equal(g.rowptr_t[1:] - g.rowptr_t[:-1], torch.bincount(ei[0], minlength=9))
+    assert torch.equal(g.col[g.perm_t], torch.sort(ei[0], stable=True).values)
+    assert torch.equal(g.row_t, g.row[g.perm_t])
 
 
-def test_conv_unfused_cases(monkeypatch):
-    """Options the fused kernel does not cover take the general fixed-degree path."""
-    n, k, H, C = 20, 4, 2, 8
-    edge_index = fixed_degree_edge_index(n, k, seed=2)
-    x = torch.randn(n, H * C, generator=gen(18))
-    calls = spy_fused(monkeypatch)
-    for kwargs in (dict(routing="uniform"), dict(transport="identity"),
-                   dict(routing="geometric")):
-        conv = QSVConv(H * C, 4, heads=H, **kwargs)
-        conv(x, edge_index, pos=torch.randn(n, 3, generator=gen(19)))
-    conv = QSVConv(H * C, 4, heads=H, dropout=0.5).train()
-    conv(x, edge_index)
-    assert calls == []
-    conv.eval()(x, edge_index)  # dropout is off in eval: fused
-    assert calls == [1]
+def test_batched_csr_is_the_csr_of_offset_copies():
+    from qsv_pyg.nn.graph_args import batch_edge_index
+    ei = random_graph(7, 5, 17, seed=10)
+    got = batch_csr(build_csr(ei, 7, 5), 3, 7, 5)
+    ref = build_csr(batch_edge_index(ei, 3, 7, 5), 21, 15)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_csr_cache_hits_and_notices_in_place_changes():
+    ei = random_graph(8, 8, 20, seed=11)
+    g1 = graph_csr(ei, 8, 8)
+    assert graph_csr(ei, 8, 8) is g1
+    ei[0, 0] = (ei[0, 0] + 1) % 8
+    g2 = graph_csr(ei, 8, 8)
+    assert g2 is not g1 and torch.equal(g2.col, build_csr(ei, 8, 8).col)
+
+
+def test_out_of_range_indices_are_rejected():
+    ei = torch.tensor([[0, 1, 7], [0, 1, 2]])
+    with pytest.raises(ValueError, match="source indices in \\[0, 7\\] but there are 5"):
+        graph_csr(ei, 5, 5)
+    with pytest.raises(ValueError, match="target indices in \\[0, 2\\] but there are 2"):
+        graph_csr(ei.flip(0) % 5, 5, 2)
+
+
+# ----------------------------------------------------------- kernel choice
+def test_cpp_kernel_is_chosen_on_cpu_when_available():
+    if cpu_ext.cpu_kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    assert _ext(torch.randn(2, 1, 1, 4)) is cpu_ext.cpu_kernel()
+    assert _ext(torch.randn(2, 1, 1, 4, dtype=torch.float64)) is cpu_ext.cpu_kernel()
+    assert _ext(torch.randn(2, 1, 1, 4).half()) is None
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "1")
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(cpu_ext, "_STATE", {"tried": False, "module": None, "error": None})
+    with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
+        assert cpu_ext.cpu_kernel() is None
+    assert cpu_ext.cpu_kernel() is None  # not retried
+    ei = random_graph(12, 12, 40, seed=30)
+    args = operator_inputs(12, 12, 2, 2, 4, torch.float32, seed=31)
+    z, _ = qsv_attend(*args, graph_csr(ei, 12, 12))
+    ref_z, _ = literal(*args, ei, 12, False)
+    torch.testing.assert_close(z, ref_z, **TOL[torch.float32])
 
 
 # ----------------------------------------------------------- unit quaternion
@@ -253,78 +317,3 @@ def test_unit_quaternion_gradient():
         unit_quaternion(torch.randn(3, 5))
 
 
-def test_double_backward_is_refused_clearly(impl):
-    n, k, H, M = 8, 3, 1, 1
-    nbr = torch.randint(0, n, (n, k), generator=gen(22))
-    v = torch.randn(n, H, M, 4, requires_grad=True)
-    q = random_unit_quaternion(n, H, generator=gen(23))
-    z, _ = qsv_aggregate(v, q, None, torch.ones(H), nbr)
-    (g, ) = torch.autograd.grad(z.pow(2).sum(), v, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
-        g.sum().backward()
-
-
-def test_conv_under_cpu_autocast_takes_the_general_path(monkeypatch):
-    n, k, H, C = 20, 4, 2, 8
-    edge_index = fixed_degree_edge_index(n, k, seed=3)
-    x = torch.randn(n, H * C, generator=gen(24))
-    conv = QSVConv(H * C, 4, heads=H)
-    calls = spy_fused(monkeypatch)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = conv(x, edge_index)
-    assert calls == [] and torch.isfinite(out).all()
-    ref = conv(x, edge_index)
-    assert calls == [1]
-    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
-
-
-def test_out_of_range_neighbours_are_rejected():
-    n, k, H = 5, 2, 1
-    nbr = torch.tensor([[0, 1]] * 4 + [[0, 7]])
-    with pytest.raises(ValueError, match="neighbour indices must lie in \\[0, 5\\)"):
-        qsv_aggregate(torch.randn(n, H, 1, 4), random_unit_quaternion(n, H), None,
-                      torch.ones(H), nbr)
-
-
-def test_only_attention_weights_used(impl):
-    """Backward when only the attention weights are used: gradients reach q and beta."""
-    n, k, H, M = 10, 3, 2, 2
-    nbr = torch.randint(0, n, (n, k), generator=gen(33))
-    v = torch.randn(n, H, M, 4, generator=gen(34), dtype=torch.float64, requires_grad=True)
-    p = torch.randn(n, H, 4, generator=gen(35), dtype=torch.float64, requires_grad=True)
-    beta = torch.ones(H, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda p, b: qsv_aggregate(v.detach(), unit_quaternion(p), None, b, nbr)[1], (p, beta))
-
-
-def test_cpp_kernel_is_used_on_cpu_when_available():
-    from qsv_pyg.nn.qsv_kernel import _kernel_for
-    if cpu_ext.cpu_kernel() is None:
-        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
-    v, q, beta = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 4), torch.ones(2)
-    nbr = torch.zeros(6, 2, dtype=torch.long)
-    crow_t = torch.zeros(13, dtype=torch.int32)
-    assert _kernel_for(v, q, q, beta, nbr, crow_t, comp=False) is cpu_ext.cpu_kernel()
-    assert _kernel_for(v, q, q, beta, nbr, crow_t, comp=True) is None
-    assert _kernel_for(v.double(), q, q, beta, nbr, crow_t, comp=False) is None  # mixed dtypes
-
-
-def test_failed_build_warns_once_and_falls_back(monkeypatch):
-    import torch.utils.cpp_extension as cpp_extension
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "1")
-    monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(cpu_ext, "_STATE", {"tried": False, "module": None, "error": None})
-    with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
-        assert cpu_ext.cpu_kernel() is None
-    assert cpu_ext.cpu_kernel() is None  # not retried
-    n, k, H, M = 12, 3, 2, 2
-    nbr = torch.randint(0, n, (n, k), generator=gen(30))
-    v = torch.randn(n, H, M, 4, generator=gen(31))
-    q = random_unit_quaternion(n, H, generator=gen(32))
-    z, _ = qsv_aggregate(v, q, None, torch.ones(H), nbr)
-    ref_z, _ = literal(v, q, None, torch.ones(H), nbr, False)
-    torch.testing.assert_close(z, ref_z, **TOL[torch.float32])

@@ -1,26 +1,31 @@
-// The fused QSV aggregation on CPU: the same arithmetic as the PyTorch path of
-// qsv_pyg/nn/qsv_kernel.py (block-major layout), in two passes over the graph
-// instead of ~40 separate kernels. Parallel over targets (forward, backward
-// pass A) and over sources via the transposed CSR lists (backward pass B), so
-// no atomics are needed and the result is deterministic.
+// QSV attention over a target-sorted CSR graph on CPU: the same arithmetic as
+// qsv_pyg/nn/qsv_kernel.py's PyTorch implementation, in two passes over the
+// graph instead of some forty separate kernels. Parallel over targets (forward,
+// backward pass A) and over sources via the transposed CSR (backward pass B),
+// so no atomics are needed and the result is deterministic.
 //
 // Built with -fopenmp: ATen's parallel_for is header code that only runs in
-// parallel when the including file is compiled with OpenMP (2x on 2 cores).
+// parallel when the including file is compiled with OpenMP.
 //
-// Shapes (contiguous; T = float or double):
-//   v, u             [Ns, H, M, 4]    source features, rotated sources
-//   qs / qd          [Ns|Nd, H, 4]    unit quaternions (Q = diag(1, R(q)) is
-//                                     computed on the fly, 16 multiply-adds)
-//   beta             [H]
-//   nbr              [Nd, k] int64    source of the k-th edge into each target
-//   y, z, gy         [Nd, H, M, 4]
-//   alpha, dot, gd   [Nd, H, k]       (target, head, edge) order = CSR value order
-//   crow_t, col_t    int32, rows (j, h) of A^T; col_t = row (i, h) of A
-//   perm             int64, position of each A^T entry in the (i, h, k) order
+// Shapes (contiguous; T = float or double; E edges in target-sorted order):
+//   v, u            [Ns, H, M, 4]  source features, rotated sources (u empty
+//                                  when !rotate: then u = v)
+//   qs / qd         [Ns|Nd, H, 4]  unit quaternions of the transport
+//                                  (Q = diag(1, R(q)) computed on the fly)
+//   ks / kd         [Ns|Nd, H, D]  routing keys: logit = beta_h * <kd_i, ks_j>
+//                                  (D = 0: uniform routing)
+//   beta            [H]
+//   rowptr          [Nd + 1]       CSR rows (targets); col [E] their sources
+//   rowptr_t        [Ns + 1]       transposed rows (sources); perm_t [E] the
+//                                  sorted-edge index of each entry, row_t [E]
+//                                  its target
+//   y, z, gy        [Nd, H, M, 4]  (y empty when !rotate: then y = z)
+//   alpha, dot      [E, H]
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -53,215 +58,252 @@ inline void add_block_matrix_grad(const T* q, const T* G, T* out) {
                  y * G[11] + x * G[13] + y * G[14]);
 }
 
-// y = sum_e w[e] * u[row(nb[e], h)], a row of blk values; the common widths
-// accumulate in registers (a fixed-size local array) instead of in memory.
+// o_m = Q x_m (or Q^T x_m) for the M four-vectors of a row.
+template <typename T>
+inline void apply_rows(const T* Q, const T* x, T* o, int64_t M, bool transpose) {
+  for (int64_t m = 0; m < M; ++m, x += 4, o += 4) {
+    for (int a = 0; a < 4; ++a) {
+      o[a] = transpose
+                 ? Q[a] * x[0] + Q[4 + a] * x[1] + Q[8 + a] * x[2] + Q[12 + a] * x[3]
+                 : Q[4 * a] * x[0] + Q[4 * a + 1] * x[1] + Q[4 * a + 2] * x[2] +
+                       Q[4 * a + 3] * x[3];
+    }
+  }
+}
+
+// G = sum_m a_m b_m^T (row-major 4x4).
+template <typename T>
+inline void outer_rows(const T* a, const T* b, int64_t M, T* G) {
+  for (int c = 0; c < 16; ++c) G[c] = 0;
+  for (int64_t m = 0; m < M; ++m, a += 4, b += 4) {
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < 4; ++c) G[4 * r + c] += a[r] * b[c];
+    }
+  }
+}
+
+// out = sum_e w[e * H] * src[(idx[e] * H + h) * blk], one row of blk values; the
+// common widths accumulate in registers instead of in memory.
 template <typename T, int BLK>
-inline void weighted_rows_fixed(const T* w, const int64_t* nb, const T* u, int64_t H,
-                                int64_t h, int64_t k, T* __restrict__ out) {
+inline void weighted_rows_fixed(const T* w, const int64_t* idx, int64_t deg, const T* src,
+                                int64_t H, int64_t h, T* __restrict__ out) {
   T acc[BLK];
   for (int c = 0; c < BLK; ++c) acc[c] = 0;
-  for (int64_t e = 0; e < k; ++e) {
-    const T a = w[e];
-    const T* __restrict__ uj = u + (nb[e] * H + h) * BLK;
-    for (int c = 0; c < BLK; ++c) acc[c] += a * uj[c];
+  for (int64_t e = 0; e < deg; ++e) {
+    const T a = w[e * H];
+    const T* __restrict__ s = src + (idx[e] * H + h) * BLK;
+    for (int c = 0; c < BLK; ++c) acc[c] += a * s[c];
   }
   for (int c = 0; c < BLK; ++c) out[c] = acc[c];
 }
 
 template <typename T>
-inline void weighted_rows(const T* w, const int64_t* nb, const T* u, int64_t H, int64_t h,
-                          int64_t blk, int64_t k, T* __restrict__ out) {
+inline void weighted_rows(const T* w, const int64_t* idx, int64_t deg, const T* src,
+                          int64_t H, int64_t h, int64_t blk, T* __restrict__ out) {
   switch (blk) {
-    case 8: return weighted_rows_fixed<T, 8>(w, nb, u, H, h, k, out);
-    case 16: return weighted_rows_fixed<T, 16>(w, nb, u, H, h, k, out);
-    case 32: return weighted_rows_fixed<T, 32>(w, nb, u, H, h, k, out);
-    case 64: return weighted_rows_fixed<T, 64>(w, nb, u, H, h, k, out);
+    case 4: return weighted_rows_fixed<T, 4>(w, idx, deg, src, H, h, out);
+    case 8: return weighted_rows_fixed<T, 8>(w, idx, deg, src, H, h, out);
+    case 16: return weighted_rows_fixed<T, 16>(w, idx, deg, src, H, h, out);
+    case 32: return weighted_rows_fixed<T, 32>(w, idx, deg, src, H, h, out);
+    case 64: return weighted_rows_fixed<T, 64>(w, idx, deg, src, H, h, out);
     default:
       for (int64_t c = 0; c < blk; ++c) out[c] = 0;
-      for (int64_t e = 0; e < k; ++e) {
-        const T a = w[e];
-        const T* uj = u + (nb[e] * H + h) * blk;
-        for (int64_t c = 0; c < blk; ++c) out[c] += a * uj[c];
+      for (int64_t e = 0; e < deg; ++e) {
+        const T a = w[e * H];
+        const T* s = src + (idx[e] * H + h) * blk;
+        for (int64_t c = 0; c < blk; ++c) out[c] += a * s[c];
       }
   }
 }
 
 template <typename T>
-void forward_impl(const T* v, const T* qs, const T* qd, const T* beta, const int64_t* nbr,
-                  int64_t Ns, int64_t Nd, int64_t H, int64_t M, int64_t k, bool use_abs,
+inline T dot_keys(const T* a, const T* b, int64_t D) {
+  T d = 0;
+  for (int64_t c = 0; c < D; ++c) d += a[c] * b[c];
+  return d;
+}
+
+struct Dims {
+  int64_t Ns, Nd, H, M, D, E;
+  bool use_abs, rotate;
+};
+
+// Rows per parallel chunk: about 32k multiply-adds each, so that a few large
+// rows (small graphs with a wide batch) still spread over the threads.
+inline int64_t grain(int64_t work_per_row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_row, 1));
+}
+
+template <typename T>
+void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
+                  const T* kd, const T* beta, const int64_t* rowptr, const int64_t* col,
                   T* u, T* y, T* z, T* alpha, T* dot) {
-  const int64_t blk = M * 4;
-  // u_m = Q_j v_m for every block of every source row (j, h).
-  at::parallel_for(0, Ns * H, 64, [&](int64_t begin, int64_t end) {
-    T Q[16];
-    for (int64_t r = begin; r < end; ++r) {
-      block_matrix(qs + r * 4, Q);
-      const T* x = v + r * blk;
-      T* o = u + r * blk;
-      for (int64_t m = 0; m < M; ++m, x += 4, o += 4) {
-        for (int a = 0; a < 4; ++a) {
-          o[a] = Q[4 * a] * x[0] + Q[4 * a + 1] * x[1] + Q[4 * a + 2] * x[2] +
-                 Q[4 * a + 3] * x[3];
-        }
+  const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
+  if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
+    at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
+      T Q[16];
+      for (int64_t r = begin; r < end; ++r) {
+        block_matrix(qs + r * 4, Q);
+        apply_rows(Q, v + r * blk, u + r * blk, M, false);
       }
-    }
-  });
-  at::parallel_for(0, Nd, 16, [&](int64_t begin, int64_t end) {
+    });
+  }
+  const T* src = s.rotate ? u : v;
+  T* sum = s.rotate ? y : z;
+  const int64_t row_work =
+      H * (blk + D + 16 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
+  at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t* nb = nbr + i * k;
+      const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
+      const int64_t* nb = col + e0;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t row = i * H + h;
-        const T* qi = qd + row * 4;
-        T* al = alpha + row * k;
-        T* dt = dot + row * k;
+        T* al = alpha + e0 * H + h;
+        T* dt = dot + e0 * H + h;
         T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t e = 0; e < k; ++e) {
-          const T* qj = qs + (nb[e] * H + h) * 4;
-          const T d = qi[0] * qj[0] + qi[1] * qj[1] + qi[2] * qj[2] + qi[3] * qj[3];
-          dt[e] = d;
-          const T s = beta[h] * (use_abs ? std::abs(d) : d);
-          al[e] = s;
-          mx = s > mx ? s : mx;
+        for (int64_t e = 0; e < deg; ++e) {
+          const T d = dot_keys(kd + row * D, ks + (nb[e] * H + h) * D, D);
+          dt[e * H] = d;
+          const T l = beta[h] * (s.use_abs ? std::abs(d) : d);
+          al[e * H] = l;
+          mx = l > mx ? l : mx;
         }
-        T sum = 0;
-        for (int64_t e = 0; e < k; ++e) {
-          al[e] = std::exp(al[e] - mx);
-          sum += al[e];
+        T total = 0;
+        for (int64_t e = 0; e < deg; ++e) {
+          const T ex = std::exp(al[e * H] - mx);
+          al[e * H] = ex;
+          total += ex;
         }
-        const T inv = T(1) / sum;
-        for (int64_t e = 0; e < k; ++e) al[e] *= inv;
-        T* yr = y + row * blk;
-        weighted_rows<T>(al, nb, u, H, h, blk, k, yr);
-        // z_m = Q_i^T y_m (rotate back by q_i*).
-        block_matrix(qi, Q);
-        T* zr = z + row * blk;
-        for (int64_t m = 0; m < M; ++m) {
-          const T* ym = yr + 4 * m;
-          for (int a = 0; a < 4; ++a) {
-            zr[4 * m + a] = Q[a] * ym[0] + Q[4 + a] * ym[1] + Q[8 + a] * ym[2] +
-                            Q[12 + a] * ym[3];
-          }
+        const T inv = T(1) / total;
+        for (int64_t e = 0; e < deg; ++e) al[e * H] *= inv;
+        T* yr = sum + row * blk;
+        weighted_rows<T>(al, nb, deg, src, H, h, blk, yr);
+        if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
+          block_matrix(qd + row * 4, Q);
+          apply_rows(Q, yr, z + row * blk, M, true);
         }
       }
     }
   });
 }
 
+struct Needs {
+  bool v, q, k;
+};
+
 template <typename T>
-void backward_impl(const T* gz, const T* galpha, const T* v, const T* qs, const T* qd,
-                   const T* beta, const int64_t* nbr, const T* alpha, const T* dot,
-                   const T* u, const T* y, const int32_t* crow_t, const int32_t* col_t,
-                   const int64_t* perm, int64_t Ns, int64_t Nd, int64_t H, int64_t M,
-                   int64_t k, bool use_abs, bool need_v, bool need_q, T* gy, T* gd,
-                   T* gbeta_part, T* gqd, T* gv, T* gqs) {
-  const int64_t blk = M * 4;
-  // Pass A, per target row (i, h): gy = Q_i gz, softmax backward, logit gradients,
-  // and the target quaternion's gradient (logits + rotation back).
-  at::parallel_for(0, Nd, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> ga(k);
+void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
+                   const T* v, const T* qs, const T* qd, const T* ks, const T* kd,
+                   const T* beta, const int64_t* rowptr, const int64_t* col,
+                   const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
+                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
+                   T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
+  const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
+  const T* src = s.rotate ? u : v;
+  const T* gy = s.rotate ? gy_buf : gz;
+  // Pass A, per target row (i, h): gy = Q_i gz, softmax backward, logit
+  // gradients, the target key's gradient and the target rotation's gradient.
+  const int64_t row_work =
+      H * (2 * blk + D + 32 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
+  at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16], G[16];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t* nb = nbr + i * k;
+      const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
+      const int64_t* nb = col + e0;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t row = i * H + h;
-        const T* qi = qd + row * 4;
-        block_matrix(qi, Q);
         const T* g = gz + row * blk;
-        T* gyr = gy + row * blk;
-        for (int64_t m = 0; m < M; ++m) {
-          const T* gm = g + 4 * m;
-          for (int b = 0; b < 4; ++b) {
-            gyr[4 * m + b] = Q[4 * b] * gm[0] + Q[4 * b + 1] * gm[1] +
-                             Q[4 * b + 2] * gm[2] + Q[4 * b + 3] * gm[3];
-          }
+        if (s.rotate) {
+          block_matrix(qd + row * 4, Q);
+          apply_rows(Q, g, gy_buf + row * blk, M, false);
         }
-        const T* al = alpha + row * k;
+        const T* gyr = gy + row * blk;
+        const T* al = alpha + e0 * H + h;
+        const T* dt = dot + e0 * H + h;
+        T* gdr = gd + e0 * H + h;
         T sa = 0;
-        for (int64_t e = 0; e < k; ++e) {
-          const T* uj = u + (nb[e] * H + h) * blk;
-          T acc = galpha ? galpha[row * k + e] : T(0);
+        for (int64_t e = 0; e < deg; ++e) {  // ga (held in gd for now)
+          const T* uj = src + (nb[e] * H + h) * blk;
+          T acc = galpha ? galpha[(e0 + e) * H + h] : T(0);
           for (int64_t c = 0; c < blk; ++c) acc += gyr[c] * uj[c];
-          ga[e] = acc;
-          sa += al[e] * acc;
+          gdr[e * H] = acc;
+          sa += al[e * H] * acc;
         }
-        const T* dt = dot + row * k;
-        T* gdr = gd + row * k;
         T gb = 0;
-        for (int64_t e = 0; e < k; ++e) {
-          const T gs = al[e] * (ga[e] - sa);
-          const T d = dt[e];
-          gb += gs * (use_abs ? std::abs(d) : d);
+        for (int64_t e = 0; e < deg; ++e) {
+          const T gs = al[e * H] * (gdr[e * H] - sa);
+          const T d = dt[e * H];
+          gb += gs * (s.use_abs ? std::abs(d) : d);
           T gdv = gs * beta[h];
-          if (use_abs) gdv *= (d > 0) - (d < 0);
-          gdr[e] = gdv;
+          if (s.use_abs) gdv *= T((d > 0) - (d < 0));
+          gdr[e * H] = gdv;
         }
         gbeta_part[row] = gb;
-        if (need_q) {
+        if (need.k) {
+          T* o = gkd + row * D;
+          for (int64_t c = 0; c < D; ++c) o[c] = 0;
+          for (int64_t e = 0; e < deg; ++e) {
+            const T* kj = ks + (nb[e] * H + h) * D;
+            for (int64_t c = 0; c < D; ++c) o[c] += gdr[e * H] * kj[c];
+          }
+        }
+        if (need.q && s.rotate) {  // z = Q^T y  =>  dL/dQ = sum_m y_m gz_m^T
+          outer_rows(y + row * blk, g, M, G);
           T* o = gqd + row * 4;
           o[0] = o[1] = o[2] = o[3] = 0;
-          for (int64_t e = 0; e < k; ++e) {
-            const T* qj = qs + (nb[e] * H + h) * 4;
-            for (int c = 0; c < 4; ++c) o[c] += gdr[e] * qj[c];
-          }
-          // z = Q^T y  =>  dL/dQ[b][a] = sum_m y[m][b] gz[m][a]
-          const T* yr = y + row * blk;
-          for (int c = 0; c < 16; ++c) G[c] = 0;
-          for (int64_t m = 0; m < M; ++m) {
-            for (int b = 0; b < 4; ++b) {
-              const T yb = yr[4 * m + b];
-              for (int a = 0; a < 4; ++a) G[4 * b + a] += yb * g[4 * m + a];
-            }
-          }
-          add_block_matrix_grad(qi, G, o);
+          add_block_matrix_grad(qd + row * 4, G, o);
         }
       }
     }
   });
-  if (!need_v && !need_q) return;
-  // Pass B, per source row (j, h) over its outgoing edges (A^T): gu = sum alpha gy.
-  at::parallel_for(0, Ns * H, 64, [&](int64_t begin, int64_t end) {
-    std::vector<T> gu(blk);
+  if (!need.v && !need.q && !need.k) return;
+  // Pass B, per source node j over its outgoing edges (transposed CSR).
+  const int64_t col_work =
+      H * (blk + D) * std::max<int64_t>(s.E / std::max<int64_t>(s.Ns, 1), 1) + H * 32 * M;
+  at::parallel_for(0, s.Ns, grain(col_work), [&](int64_t begin, int64_t end) {
+    std::vector<T> gu(H * blk);
     T Q[16], G[16];
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t c = 0; c < blk; ++c) gu[c] = 0;
-      T gq[4] = {0, 0, 0, 0};
-      for (int32_t p = crow_t[r]; p < crow_t[r + 1]; ++p) {
-        const int64_t pos = perm[p];
-        const int64_t target_row = col_t[p];
-        const T a = alpha[pos];
-        const T* gyr = gy + target_row * blk;
-        for (int64_t c = 0; c < blk; ++c) gu[c] += a * gyr[c];
-        if (need_q) {
-          const T* qi = qd + target_row * 4;
-          const T gdv = gd[pos];
-          for (int c = 0; c < 4; ++c) gq[c] += gdv * qi[c];
-        }
+    for (int64_t j = begin; j < end; ++j) {
+      const bool need_u = need.v || (need.q && s.rotate);
+      if (need_u) std::fill(gu.begin(), gu.end(), T(0));
+      if (need.k) {
+        for (int64_t c = 0; c < H * D; ++c) gks[j * H * D + c] = 0;
       }
-      const T* qj = qs + r * 4;
-      block_matrix(qj, Q);
-      if (need_v) {  // u = Q v  =>  gv = Q^T gu
-        T* o = gv + r * blk;
-        for (int64_t m = 0; m < M; ++m) {
-          const T* gm = gu.data() + 4 * m;
-          for (int b = 0; b < 4; ++b) {
-            o[4 * m + b] = Q[b] * gm[0] + Q[4 + b] * gm[1] + Q[8 + b] * gm[2] +
-                           Q[12 + b] * gm[3];
+      for (int64_t p = rowptr_t[j]; p < rowptr_t[j + 1]; ++p) {
+        const int64_t e = perm_t[p], i = row_t[p];
+        for (int64_t h = 0; h < H; ++h) {
+          if (need_u) {
+            const T a = alpha[e * H + h];
+            const T* gyr = gy + (i * H + h) * blk;
+            T* o = gu.data() + h * blk;
+            for (int64_t c = 0; c < blk; ++c) o[c] += a * gyr[c];
+          }
+          if (need.k) {
+            const T gdv = gd[e * H + h];
+            const T* ki = kd + (i * H + h) * D;
+            T* o = gks + (j * H + h) * D;
+            for (int64_t c = 0; c < D; ++c) o[c] += gdv * ki[c];
           }
         }
       }
-      if (need_q) {
-        // u = Q v  =>  dL/dQ[a][b] = sum_m gu[m][a] v[m][b]
-        const T* x = v + r * blk;
-        for (int c = 0; c < 16; ++c) G[c] = 0;
-        for (int64_t m = 0; m < M; ++m) {
-          for (int a = 0; a < 4; ++a) {
-            const T ga_ = gu[4 * m + a];
-            for (int b = 0; b < 4; ++b) G[4 * a + b] += ga_ * x[4 * m + b];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = j * H + h;
+        const T* gur = gu.data() + h * blk;
+        if (s.rotate && need_u) block_matrix(qs + r * 4, Q);
+        if (need.v) {  // u = Q v  =>  gv = Q^T gu
+          if (s.rotate) {
+            apply_rows(Q, gur, gv + r * blk, M, true);
+          } else {
+            std::copy(gur, gur + blk, gv + r * blk);
           }
         }
-        add_block_matrix_grad(qj, G, gq);
-        for (int c = 0; c < 4; ++c) gqs[r * 4 + c] = gq[c];
+        if (need.q && s.rotate) {  // u = Q v  =>  dL/dQ = sum_m gu_m v_m^T
+          outer_rows(gur, v + r * blk, M, G);
+          T* o = gqs + r * 4;
+          o[0] = o[1] = o[2] = o[3] = 0;
+          add_block_matrix_grad(qs + r * 4, G, o);
+        }
       }
     }
   });
@@ -272,68 +314,94 @@ void check(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "qsv_kernel_cpu: ", name, " must be contiguous");
 }
 
+void check_index(const torch::Tensor& t, const char* name) {
+  check(t, name);
+  TORCH_CHECK(t.scalar_type() == torch::kLong, "qsv_kernel_cpu: ", name, " must be int64");
+}
+
+Dims dims(const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& rowptr,
+          bool use_abs, bool rotate) {
+  return Dims{v.size(0), rowptr.size(0) - 1, v.size(1), v.size(2), ks.size(2), 0, use_abs,
+              rotate};
+}
+
+template <typename T>
+T* ptr_or_null(torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<T>() : nullptr;
+}
+
 std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
-                                       torch::Tensor beta, torch::Tensor nbr, bool use_abs) {
-  for (auto* t : {&v, &qs, &qd, &beta, &nbr}) check(*t, "input");
-  TORCH_CHECK(nbr.scalar_type() == torch::kLong, "qsv_kernel_cpu: nbr must be int64");
-  const int64_t Ns = v.size(0), H = v.size(1), M = v.size(2);
-  const int64_t Nd = nbr.size(0), k = nbr.size(1);
-  auto u = torch::empty_like(v);
-  auto y = torch::empty({Nd, H, M, 4}, v.options());
-  auto z = torch::empty({Nd, H, M, 4}, v.options());
-  auto alpha = torch::empty({Nd, H, k}, v.options());
-  auto dot = torch::empty({Nd, H, k}, v.options());
+                                       torch::Tensor ks, torch::Tensor kd, torch::Tensor beta,
+                                       torch::Tensor rowptr, torch::Tensor col, bool use_abs,
+                                       bool rotate) {
+  for (auto* t : {&v, &qs, &qd, &ks, &kd, &beta}) check(*t, "input");
+  check_index(rowptr, "rowptr");
+  check_index(col, "col");
+  Dims s = dims(v, ks, rowptr, use_abs, rotate);
+  const int64_t E = s.E = col.size(0);
+  auto opts = v.options();
+  auto u = rotate ? torch::empty_like(v) : torch::empty({0}, opts);
+  auto y = rotate ? torch::empty({s.Nd, s.H, s.M, 4}, opts) : torch::empty({0}, opts);
+  auto z = torch::empty({s.Nd, s.H, s.M, 4}, opts);
+  auto alpha = torch::empty({E, s.H}, opts);
+  auto dot = torch::empty({E, s.H}, opts);
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_forward", [&] {
-    forward_impl<scalar_t>(v.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(),
-                           qd.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(),
-                           nbr.data_ptr<int64_t>(), Ns, Nd, H, M, k, use_abs,
-                           u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+    forward_impl<scalar_t>(s, v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(qs),
+                           ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
+                           ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(),
+                           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(),
+                           ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
                            z.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(),
                            dot.data_ptr<scalar_t>());
   });
   return {z, alpha, u, y, dot};
 }
 
-std::vector<torch::Tensor> qsv_backward(torch::Tensor gz, c10::optional<torch::Tensor> galpha,
-                                        torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
-                                        torch::Tensor beta, torch::Tensor nbr,
-                                        torch::Tensor alpha, torch::Tensor dot, torch::Tensor u,
-                                        torch::Tensor y, torch::Tensor crow_t,
-                                        torch::Tensor col_t, torch::Tensor perm, bool use_abs,
-                                        bool need_v, bool need_q) {
-  for (auto* t : {&gz, &v, &qs, &qd, &beta, &nbr, &alpha, &dot, &u, &y, &crow_t, &col_t, &perm})
-    check(*t, "input");
-  TORCH_CHECK(crow_t.scalar_type() == torch::kInt && col_t.scalar_type() == torch::kInt &&
-                  perm.scalar_type() == torch::kLong,
-              "qsv_kernel_cpu: crow_t/col_t must be int32 and perm int64");
+std::vector<torch::Tensor> qsv_backward(
+    torch::Tensor gz, c10::optional<torch::Tensor> galpha, torch::Tensor v, torch::Tensor qs,
+    torch::Tensor qd, torch::Tensor ks, torch::Tensor kd, torch::Tensor beta,
+    torch::Tensor rowptr, torch::Tensor col, torch::Tensor rowptr_t, torch::Tensor perm_t,
+    torch::Tensor row_t, torch::Tensor alpha, torch::Tensor dot, torch::Tensor u,
+    torch::Tensor y, bool use_abs, bool rotate, bool need_v, bool need_q, bool need_k) {
+  for (auto* t : {&gz, &v, &qs, &qd, &ks, &kd, &beta, &alpha, &dot, &u, &y}) check(*t, "input");
+  for (auto* t : {&rowptr, &col, &rowptr_t, &perm_t, &row_t}) check_index(*t, "index");
   if (galpha.has_value()) check(*galpha, "grad_alpha");
-  const int64_t Ns = v.size(0), H = v.size(1), M = v.size(2);
-  const int64_t Nd = nbr.size(0), k = nbr.size(1);
+  Dims s = dims(v, ks, rowptr, use_abs, rotate);
+  const Needs need{need_v, need_q && rotate, need_k && s.D > 0};
+  const int64_t E = s.E = col.size(0);
   auto opts = v.options();
-  auto gy = torch::empty({Nd, H, M, 4}, opts);
-  auto gd = torch::empty({Nd, H, k}, opts);
-  auto gbeta_part = torch::empty({Nd, H}, opts);
-  auto gqd = need_q ? torch::empty({Nd, H, 4}, opts) : torch::empty({0}, opts);
-  auto gv = need_v ? torch::empty_like(v) : torch::empty({0}, opts);
-  auto gqs = need_q ? torch::empty({Ns, H, 4}, opts) : torch::empty({0}, opts);
+  // Unneeded outputs are distinct empty tensors (returns may not alias).
+  auto maybe = [&](bool need, std::vector<int64_t> shape) {
+    return need ? torch::empty(shape, opts) : torch::empty({0}, opts);
+  };
+  auto gy = maybe(rotate, {s.Nd, s.H, s.M, 4});
+  auto gd = torch::empty({E, s.H}, opts);
+  auto gbeta_part = torch::empty({s.Nd, s.H}, opts);
+  auto gqd = maybe(need.q, {s.Nd, s.H, 4});
+  auto gqs = maybe(need.q, {s.Ns, s.H, 4});
+  auto gkd = maybe(need.k, {s.Nd, s.H, s.D});
+  auto gks = maybe(need.k, {s.Ns, s.H, s.D});
+  auto gv = maybe(need_v, v.sizes().vec());
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_backward", [&] {
     backward_impl<scalar_t>(
-        gz.data_ptr<scalar_t>(), galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr,
-        v.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(), qd.data_ptr<scalar_t>(),
-        beta.data_ptr<scalar_t>(), nbr.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
-        dot.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
-        crow_t.data_ptr<int32_t>(), col_t.data_ptr<int32_t>(), perm.data_ptr<int64_t>(), Ns,
-        Nd, H, M, k, use_abs, need_v, need_q, gy.data_ptr<scalar_t>(), gd.data_ptr<scalar_t>(),
-        gbeta_part.data_ptr<scalar_t>(), need_q ? gqd.data_ptr<scalar_t>() : nullptr,
-        need_v ? gv.data_ptr<scalar_t>() : nullptr, need_q ? gqs.data_ptr<scalar_t>() : nullptr);
+        s, need, gz.data_ptr<scalar_t>(),
+        galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr, v.data_ptr<scalar_t>(),
+        ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
+        ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(), rowptr.data_ptr<int64_t>(),
+        col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(), perm_t.data_ptr<int64_t>(),
+        row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>(),
+        ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), ptr_or_null<scalar_t>(gy),
+        gd.data_ptr<scalar_t>(), gbeta_part.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(gqd),
+        ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv), ptr_or_null<scalar_t>(gqs),
+        ptr_or_null<scalar_t>(gks));
   });
-  return {gv, gqs, gqd, gbeta_part.sum(0)};
+  return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0)};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "qsv_pyg: fused QSV aggregation on CPU";
-  m.def("forward", &qsv_forward, "fused QSV aggregation, forward (CPU)");
-  m.def("backward", &qsv_backward, "fused QSV aggregation, backward (CPU)");
+  m.doc() = "qsv_pyg: QSV attention over a CSR graph on CPU";
+  m.def("forward", &qsv_forward, "QSV attention, forward (CPU)");
+  m.def("backward", &qsv_backward, "QSV attention, backward (CPU)");
 }

@@ -1,8 +1,10 @@
-"""Graph layers: :class:`QSVConv`, its fused kernel and its reference implementation."""
-from .fixed_degree import fixed_degree_neighbors, weighted_neighbor_sum
-from .qsv_conv import QSVConv, unit_quaternion
-from .qsv_kernel import qsv_aggregate
+"""Graph layers: :class:`QSVConv`, its attention operator and its reference."""
+from .csr import GraphCSR, graph_csr
+from .dispatch import PATHS, choose_path
+from .inputs import unit_quaternion
+from .qsv_conv import QSVConv
+from .qsv_kernel import qsv_attend
 from .reference import qsv_conv_reference
 
-__all__ = ["QSVConv", "fixed_degree_neighbors", "weighted_neighbor_sum", "qsv_aggregate",
+__all__ = ["QSVConv", "qsv_attend", "GraphCSR", "graph_csr", "PATHS", "choose_path",
            "unit_quaternion", "qsv_conv_reference"]

@@ -1,13 +1,13 @@
-"""The optional C++ kernel of the fused aggregation on CPU, compiled on first use.
+"""The optional C++ kernel of QSV attention on CPU, compiled on first use.
 
-``qsv_pyg/csrc/qsv_kernel_cpu.cpp`` computes what the PyTorch path of
-:mod:`qsv_pyg.nn.qsv_kernel` computes (block-major layout), in two OpenMP passes
-over the graph instead of some forty separate kernels — about 1.9x faster for
-the aggregation's forward+backward at 1k–4k nodes on 2 cores, measured. It is
+``qsv_pyg/csrc/qsv_kernel_cpu.cpp`` computes what the PyTorch implementation of
+:mod:`qsv_pyg.nn.qsv_kernel` computes, in two OpenMP passes over the CSR graph
+instead of some forty separate kernels (timings: benchmarks/README.md). It is
 built with :func:`torch.utils.cpp_extension.load` the first time it is needed
 (about 20 s; cached under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``). Without a C++ compiler and ninja, or with
-``QSV_PYG_CPU_KERNEL=0``, the PyTorch path is used; results agree to rounding.
+``QSV_PYG_CPU_KERNEL=0``, the PyTorch implementation is used; results agree to
+rounding.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def cpu_kernel() -> Optional[ModuleType]:
             try:
                 from torch.utils.cpp_extension import load
                 log.info("qsv_pyg: compiling the C++ CPU kernel (once, about 20 s)")
-                _STATE["module"] = load(name="qsv_pyg_cpu_kernel", sources=[SOURCE],
+                _STATE["module"] = load(name="qsv_pyg_csr_kernel", sources=[SOURCE],
                                         extra_cflags=["-O3", "-fopenmp"],
                                         extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler or ninja, read-only cache, ...

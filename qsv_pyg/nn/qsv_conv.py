@@ -16,22 +16,15 @@ from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
 from torch_geometric.typing import Adj, OptTensor, Size, SparseTensor
-from torch_geometric.utils import (
-    add_self_loops,
-    is_torch_sparse_tensor,
-    remove_self_loops,
-    softmax,
-)
+from torch_geometric.utils import is_torch_sparse_tensor, softmax
 from torch_geometric.utils.sparse import set_sparse_value
 
-from ..quaternion import hamilton_product, matrix_rotate_blocks, quaternion_to_matrix
-from .qsv_kernel import COMPONENT_MAJOR_MIN_BLOCKS, qsv_aggregate
-from .fixed_degree import (
-    fixed_degree_neighbors,
-    gather_rows,
-    neighbor_dot,
-    weighted_neighbor_sum,
-)
+from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
+from .dispatch import choose_path
+from .fast_path import attend
+from .graph_args import batched_propagate, num_targets, with_self_loops
+from .inputs import check_call, positions
+from .quat_sources import QUAT_SOURCES, NodeQuaternions
 
 if typing.TYPE_CHECKING:
     from typing import overload
@@ -40,47 +33,7 @@ else:
 
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
-QUAT_SOURCES = ("auto", "features", "given", "composed")
 DENSE_PATHS = ("auto", "always", "never")
-
-
-class _UnitQuaternion(torch.autograd.Function):
-    """``q / |q|`` with norms ``<= eps`` mapped to the identity, as one autograd
-    node: the ops autograd would record for it (norm, clamp, divide, where)
-    cost a third more on CPU at a few thousand nodes, measured."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, eps: float) -> Tensor:
-        norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-        ok = norm > eps
-        identity = q.new_zeros(4)
-        identity[0] = 1.0
-        unit = torch.where(ok, q / norm.clamp_min(eps), identity)
-        ctx.save_for_backward(unit, norm, ok)
-        ctx.eps = eps
-        return unit
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        unit, norm, ok = ctx.saved_tensors
-        # d(q/|q|) = (g - u <u, g>) / |q|; the identity branch is constant.
-        g = (grad - unit * (unit * grad).sum(dim=-1, keepdim=True)) / norm.clamp_min(ctx.eps)
-        return g.masked_fill(~ok, 0.0), None
-
-
-def unit_quaternion(q: Tensor, eps: float = 1e-8) -> Tensor:
-    r"""Normalise ``q`` (``[..., 4]``); norms below ``eps`` become the identity.
-
-    A zero quaternion has no direction, and dividing by its norm would give NaN.
-    Mapping it to the identity rotation ``(1, 0, 0, 0)`` keeps the layer finite
-    and gives such a node "no rotation" (its transport is the identity and its
-    learned logit against a neighbour is that neighbour's real part). The
-    gradient there is zero.
-    """
-    if q.size(-1) != 4:
-        raise ValueError(f"quaternions must have a last dimension of size 4, got "
-                         f"shape {tuple(q.shape)}")
-    return _UnitQuaternion.apply(q, eps)
 
 
 def _check_option(name: str, value: str, choices: Tuple[str, ...]) -> str:
@@ -90,7 +43,7 @@ def _check_option(name: str, value: str, choices: Tuple[str, ...]) -> str:
     return value
 
 
-class QSVConv(MessagePassing):
+class QSVConv(NodeQuaternions, MessagePassing):
     r"""Quaternion graph attention from Quat-Sphere-Vision (QSV).
 
     Every node carries one unit quaternion per head, :math:`q_i^{(h)}`, in place
@@ -120,20 +73,24 @@ class QSVConv(MessagePassing):
     head, a softmax, a weighted sum); :mod:`qsv_pyg.nn.reference` keeps the
     literal per-edge formula for testing.
 
-    When every target has exactly :math:`k` incoming edges stored contiguously
-    in target order (the kNN graphs of :mod:`qsv_pyg.geometry`), a fixed-degree
-    path applies the softmax over :math:`k` with no scatter (deterministic);
-    see ``dense_path``. With learned (or ``"abs"``) routing, the sandwich
-    transport, a routing shared by the batch and no attention dropout, that
-    path is one autograd node with a hand-written backward
-    (:func:`~qsv_pyg.nn.qsv_kernel.qsv_aggregate`: batched 4x4 rotations and
-    sparse products, nothing of size ``[E, H, C]`` stored).
+    Every graph takes one fast path (:mod:`qsv_pyg.nn.dispatch`): its
+    target-sorted CSR is built once and cached (:mod:`qsv_pyg.nn.csr`), and the
+    rotations, softmax and weighted sum run as one registered operator with a
+    hand-written backward (:func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`; a C++
+    kernel on CPU), which :func:`torch.compile` and autocast keep. Attention
+    dropout while training, explainers and sparse adjacencies use PyG's message
+    passing instead.
 
     Args:
         in_channels (int or tuple): Size of each input sample, or :obj:`-1` to
             derive it lazily from the first input. A tuple gives the source and
-            target sizes of a bipartite graph. The source size must be a multiple
-            of ``4 * heads``: each head reads its slice in blocks of four.
+            target sizes of a bipartite graph. Any size is accepted: each head
+            reads its slice of the source features in blocks of four, so a
+            source size that is not a multiple of ``4 * heads`` is zero-padded
+            to the next multiple (no extra parameters; the padded channels of a
+            block are filled by the rotation and weighted by :math:`\mathbf{W}_h`
+            like any other). A lazy layer can load a state dict before its
+            first call, like PyG's lazy layers.
         out_channels (int): Size of each output sample per head.
         heads (int, optional): Number of quaternions per node. (default: :obj:`1`)
         concat (bool, optional): Concatenate the heads' outputs (else average).
@@ -165,14 +122,17 @@ class QSVConv(MessagePassing):
             always the linear map. ``"given"``: always ``quat`` (no map is
             created). ``"composed"``: ``quat ⊗ q(x)``, a given field composed with
             the feature quaternion. (default: :obj:`"auto"`)
-        dense_path (str, optional): ``"auto"`` uses the fixed-degree path when
-            the graph allows (checked per call in eager mode; under
-            :func:`torch.compile` the scatter path is taken), ``"always"``
-            requires it (checked in eager mode, trusted when compiled),
-            ``"never"`` always uses message passing. (default: :obj:`"auto"`)
+        dense_path (str, optional): ``"auto"`` takes the fast path whenever the
+            call allows; ``"never"`` always uses message passing (for
+            comparisons). ``"always"`` is accepted as a synonym of ``"auto"``
+            (it once required a fixed-degree graph; every graph has the fast
+            path now). (default: :obj:`"auto"`)
         check_finite (bool, optional): Raise :class:`ValueError` on non-finite
-            features or quaternions. This costs one reduction and a host sync
-            per input and is skipped under :func:`torch.compile`.
+            features, quaternions, positions or temperatures :math:`\beta_h`.
+            This costs one reduction and a host sync per input and is skipped
+            under :func:`torch.compile`. Without the check a non-finite input
+            propagates: the affected outputs (and gradients) are NaN, never
+            silently replaced (a NaN quaternion is not read as the identity).
             (default: :obj:`True`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
@@ -242,7 +202,9 @@ class QSVConv(MessagePassing):
             in_src = in_dst = in_channels
         else:
             in_src, in_dst = in_channels
-        self._check_channels(in_src)
+        for name, c in (("in_channels", in_src), ("target in_channels", in_dst)):
+            if not isinstance(c, int) or isinstance(c, bool) or (c < 1 and c != -1):
+                raise ValueError(f"{name} must be a positive integer or -1 (lazy), got {c!r}")
 
         # Feature → quaternion maps (one per side for bipartite graphs, as in
         # GATConv's lin_src/lin_dst).
@@ -263,9 +225,10 @@ class QSVConv(MessagePassing):
         else:
             self.register_buffer("log_beta", log_beta)
 
-        # Per-head output projection W_h: C -> out_channels, C = in_src / heads.
+        # Per-head output projection W_h: C -> out_channels, C = padded in_src / heads.
         if in_src > 0:
-            self.weight = Parameter(torch.empty(heads, in_src // heads, out_channels))
+            self.weight = Parameter(torch.empty(heads, self._padded(in_src) // heads,
+                                                out_channels))
         else:
             self.weight = UninitializedParameter()
 
@@ -283,14 +246,10 @@ class QSVConv(MessagePassing):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
-    def _check_channels(self, in_src: int) -> None:
-        if in_src == -1:
-            return
-        if in_src <= 0 or in_src % (4 * self.heads) != 0:
-            raise ValueError(
-                f"QSVConv reads each head's input channels in blocks of four, so "
-                f"the source channel count must be a multiple of 4 * heads = "
-                f"{4 * self.heads}; got {in_src}")
+    def _padded(self, in_src: int) -> int:
+        """``in_src`` rounded up to a multiple of ``4 * heads``."""
+        step = 4 * self.heads
+        return -(-in_src // step) * step
 
     def reset_parameters(self):
         super().reset_parameters()
@@ -298,12 +257,7 @@ class QSVConv(MessagePassing):
             if lin is not None:
                 lin.reset_parameters()
                 if not isinstance(lin.weight, UninitializedParameter):
-                    # Start near the identity rotation so the initial transport is
-                    # mild and the normalisation well conditioned.
-                    with torch.no_grad():
-                        lin.weight.mul_(0.5)
-                        lin.bias.zero_()
-                        lin.bias.view(self.heads, 4)[:, 0] = 1.0
+                    self._near_identity(lin)
         with torch.no_grad():
             self.log_beta.fill_(math.log(self.beta_init))
         if not isinstance(self.weight, UninitializedParameter):
@@ -313,105 +267,43 @@ class QSVConv(MessagePassing):
         zeros(self.bias)
 
     def _materialize(self, in_src: int) -> None:
-        self._check_channels(in_src)
         if isinstance(self.weight, UninitializedParameter):
-            self.weight.materialize((self.heads, in_src // self.heads, self.out_channels))
+            self.weight.materialize((self.heads, self._padded(in_src) // self.heads,
+                                     self.out_channels))
             glorot(self.weight)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # An uninitialised (lazy) weight cannot be detached: save it as is.
+        for name, t in list(self._parameters.items()) + list(self._buffers.items()):
+            if t is not None and name not in self._non_persistent_buffers_set:
+                lazy = isinstance(t, UninitializedParameter)
+                destination[prefix + name] = t if keep_vars or lazy else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A lazy layer takes its shape from the state dict (as PyG's Linear does).
+        weight = state_dict.get(prefix + "weight", None)
+        if weight is not None and isinstance(weight, UninitializedParameter):
+            self.weight = UninitializedParameter()
+        elif weight is not None and isinstance(self.weight, UninitializedParameter):
+            self.weight.materialize(tuple(weight.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def pad_source(self, x_src: Tensor) -> Tensor:
+        """``x_src`` zero-padded to the layer's ``heads * C`` channels."""
+        width = self.weight.size(0) * self.weight.size(1)
+        f = x_src.size(-1)
+        if f == width:
+            return x_src
+        if self._padded(f) != width:
+            raise ValueError(f"source features have {f} channels; the layer was built "
+                             f"for {width} (padded to a multiple of 4 * heads = "
+                             f"{4 * self.heads})")
+        return F.pad(x_src, (0, width - f))
 
     @property
     def beta(self) -> Tensor:
         r"""The per-head routing temperatures :math:`\beta_h` (shape ``[heads]``)."""
         return self.log_beta.exp()
-
-    # ------------------------------------------------------------ quaternions
-    def _feature_quat(self, x: Tensor, side: str) -> Tensor:
-        lin = self.lin_quat
-        if lin is None:
-            lin = self.lin_quat_src if side == "src" else self.lin_quat_dst
-        assert lin is not None
-        if isinstance(lin.weight, UninitializedParameter):
-            lin(x)  # PyG's lazy Linear materialises itself on its first call
-            with torch.no_grad():  # same near-identity start as reset_parameters
-                lin.weight.mul_(0.5)
-                lin.bias.zero_()
-                lin.bias.view(self.heads, 4)[:, 0] = 1.0
-        return lin(x).view(*x.shape[:-1], self.heads, 4)
-
-    def _given_quat(self, quat: Tensor, num_nodes: int, side: str) -> Tensor:
-        if quat.dim() == 2 and quat.size(-1) == 4:
-            quat = quat.unsqueeze(1).expand(-1, self.heads, 4)
-        if quat.dim() not in (3, 4) or quat.size(-2) != self.heads or quat.size(-1) != 4:
-            raise ValueError(
-                f"{side} quaternions must have shape [num_nodes, heads={self.heads}, 4] "
-                f"(or [num_nodes, 4] to share one across heads, or [batch, num_nodes, "
-                f"heads, 4] for batched inputs); got {tuple(quat.shape)}")
-        if quat.size(-3) != num_nodes:
-            raise ValueError(f"{side} quaternions have {quat.size(-3)} rows but there "
-                             f"are {num_nodes} {side} nodes")
-        return quat
-
-    def _node_quaternions(
-        self,
-        x_src: Tensor,
-        x_dst: Optional[Tensor],
-        quat: Union[Tensor, Tuple[OptTensor, OptTensor], None],
-        num_dst: int,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """Unit quaternions ``[N_src, H, 4]`` and ``[N_dst, H, 4]`` (or None)."""
-        src_q: OptTensor = None
-        dst_q: OptTensor = None
-        bipartite = x_dst is not x_src
-        if quat is not None:
-            if isinstance(quat, Tensor):
-                src_q = dst_q = self._given_quat(quat, x_src.size(-2), "source")
-                if bipartite:
-                    raise ValueError("for bipartite inputs pass quat as a pair "
-                                     "(quat_src, quat_dst)")
-            else:
-                q_s, q_d = quat
-                if q_s is None:
-                    raise ValueError("the source quaternions quat[0] are missing")
-                src_q = self._given_quat(q_s, x_src.size(-2), "source")
-                if q_d is not None:
-                    dst_q = self._given_quat(q_d, num_dst, "target")
-        source = self.quat_source
-        if source == "auto":
-            source = "features" if quat is None else "given"
-        if source in ("given", "composed") and src_q is None:
-            raise ValueError(f"quat_source={self.quat_source!r} needs the quat argument")
-        if source == "features" and quat is not None:
-            raise ValueError("quat_source='features' computes quaternions from the "
-                             "features; do not pass quat (or use 'auto'/'composed')")
-
-        if source in ("features", "composed"):
-            f_src = self._feature_quat(x_src, "src")
-            f_dst = f_src if not bipartite else (
-                None if x_dst is None else self._feature_quat(x_dst, "dst"))
-            if source == "features":
-                src_q, dst_q = f_src, f_dst
-            else:
-                assert src_q is not None
-                # Normalise the given field first, so that a zero quaternion
-                # counts as the identity here too (identity ⊗ q(x) = q(x)).
-                new_src = hamilton_product(unit_quaternion(src_q), unit_quaternion(f_src))
-                if bipartite:
-                    dst_q = None if (dst_q is None or f_dst is None) else \
-                        hamilton_product(unit_quaternion(dst_q), unit_quaternion(f_dst))
-                else:
-                    dst_q = new_src
-                src_q = new_src
-
-        assert src_q is not None
-        if self.check_finite and not is_compiling():
-            for name, t in (("source quaternions", src_q), ("target quaternions", dst_q)):
-                if t is not None and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"QSVConv received non-finite {name}")
-        unit_src = unit_quaternion(src_q)
-        if dst_q is None:
-            return unit_src, None
-        if dst_q is src_q:
-            return unit_src, unit_src
-        return unit_src, unit_quaternion(dst_q)
 
     # ---------------------------------------------------------------- forward
     @overload
@@ -457,101 +349,36 @@ class QSVConv(MessagePassing):
             x_dst: OptTensor = x
         else:
             x_src, x_dst = x
-        if x_src.dim() not in (2, 3):
-            raise ValueError(f"QSVConv expects node features of shape [num_nodes, "
-                             f"channels] or [batch, num_nodes, channels] (a static "
-                             f"graph shared by the batch); got {tuple(x_src.shape)}")
-        if x_dst is not None and x_dst.dim() != x_src.dim():
-            raise ValueError(f"source and target features must have the same number "
-                             f"of dimensions; got {tuple(x_src.shape)} and "
-                             f"{tuple(x_dst.shape)}")
+        check_call(self, x_src, x_dst, edge_index)
         if isinstance(self.weight, UninitializedParameter):
             self._materialize(x_src.size(-1))
         H, C = self.heads, self.weight.size(1)
-        if x_src.size(-1) != H * C:
-            raise ValueError(f"source features have {x_src.size(-1)} channels; the "
-                             f"layer was built for {H * C}")
-        if self.check_finite and not is_compiling():
-            if not bool(torch.isfinite(x_src).all()) or (
-                    x_dst is not None and x_dst is not x_src
-                    and not bool(torch.isfinite(x_dst).all())):
-                raise ValueError("QSVConv received non-finite node features")
-
+        x_pad = self.pad_source(x_src)
         num_dst = self._num_dst(x_src, x_dst, quat, edge_index, size)
         q_src, q_dst = self._node_quaternions(x_src, x_dst, quat, num_dst)
         if q_dst is None and (self.routing in ("learned", "abs")
                               or self.transport == "sandwich"):
             raise ValueError("the target nodes' quaternions are needed: pass target "
                              "features x=(x_src, x_dst) or quat=(quat_src, quat_dst)")
-
-        pos_pair: Tuple[OptTensor, OptTensor] = (None, None)
-        if self.routing == "geometric":
-            if pos is None:
-                raise ValueError("routing='geometric' needs node positions: pass pos")
-            pos_pair = (pos, pos) if isinstance(pos, Tensor) else (pos[0], pos[1])
-            if pos_pair[0] is None or pos_pair[1] is None:
-                raise ValueError("routing='geometric' needs positions of source and "
-                                 "target nodes")
-
+        pos_pair = positions(self, pos, x_src.size(-2), num_dst)
         if self.add_self_loops:
-            edge_index = self._with_self_loops(edge_index, x_src, x_dst, size)
+            edge_index = with_self_loops(edge_index, x_src, x_dst, size)
 
-        dense_src = self._dense_neighbors(edge_index, num_dst)
-        if dense_src is not None:
-            z_nm, alpha = self._dense_aggregate(x_src, q_src, q_dst, pos_pair, dense_src)
-            n, b = z_nm.size(0), z_nm.size(2)  # node-major [N_dst, H, B, C (or C/4, 4)]
-            z_h = z_nm.transpose(0, 1).reshape(H, n * b, C)
-            lead_out = (*x_src.shape[:-2], n)
+        path = choose_path(self, x_pad, q_src, edge_index)
+        if path == "message_passing":
+            z, alpha = self._message_passing(x_pad, q_src, q_dst, pos_pair, edge_index,
+                                             num_dst)
+            z_h, b = z.movedim(-2, 0).reshape(H, -1, C), 0
         else:
-            # One rotation matrix per node and head; a graph on one node set
-            # reuses it for the rotation back (by q_i*, the transposed matrix).
-            rot_src, rot_dst = self._rotations(q_src, q_dst)
-            # Rotate each source once by q_j (the first half of the factorised
-            # sandwich); messages are then plain weighted sums.
-            lead = x_src.shape[:-1]  # (N,) or (B, N)
-            v = x_src.view(*lead, H, C // 4, 4)
-            if rot_src is not None:
-                v = matrix_rotate_blocks(rot_src, v)
-            v = v.reshape(*lead, H, C)
-            if x_src.dim() == 2:
-                alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos_pair,
-                                          size=size)
-                z = self.propagate(edge_index, x=(v, None), alpha=alpha,
-                                   size=(x_src.size(0), num_dst))
-            else:
-                z, alpha = self._batched_scatter(v, q_src, q_dst, pos_pair, edge_index,
-                                                 num_dst)
-            if rot_dst is not None:
-                z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
-                                         z.view(*z.shape[:-1], C // 4, 4))
-                z = z.reshape(*z.shape[:-2], C)
-            z_h = z.movedim(-2, 0).reshape(H, -1, C)
-            n, b, lead_out = -1, 0, tuple(z.shape[:-2])
-
-        # Per-head output projection W_h as one batched matmul over heads,
-        # [H, M, C] @ [H, C, F]: a block-diagonal [H*C, H*F] matmul does H times
-        # the work and measured 2.4x slower on CPU, transposed copies included.
-        proj = torch.bmm(z_h, self.weight)  # [H, M, F]
-        F_out = self.out_channels
-        if self.concat:
-            proj = proj.transpose(0, 1)  # [M, H, F]
-        else:
-            proj = proj.mean(dim=0, keepdim=True).transpose(0, 1)  # [M, 1, F]
-        width = H * F_out if self.concat else F_out
-        if b:  # node-major rows (n, b) -> (b, n)
-            proj = proj.reshape(n, b, width).transpose(0, 1)
-        out = proj.reshape(*lead_out, width)
-
+            z_h, alpha, b = attend(self, path, x_pad, q_src, q_dst, pos_pair, edge_index,
+                                   num_dst)
+        out = self._project(z_h, b, (*x_src.shape[:-2], num_dst))
         if self.lin_skip is not None and x_dst is not None:
             out = out + self.lin_skip(x_dst)
         if self.bias is not None:
             out = out + self.bias
 
         if return_attention_weights:
-            if x_src.dim() == 3 and alpha.dim() == 2:
-                # The fixed-degree path computes a routing shared by the batch
-                # once; report it per item, [B, E, H], like the scatter path.
-                alpha = alpha.expand(x_src.size(0), -1, -1)
             if isinstance(edge_index, Tensor):
                 if is_torch_sparse_tensor(edge_index):
                     adj = set_sparse_value(edge_index, alpha)
@@ -561,68 +388,55 @@ class QSVConv(MessagePassing):
                 return out, edge_index.set_value(alpha, layout="coo")
         return out
 
-    def _batched_scatter(self, v: Tensor, q_src: Tensor, q_dst: OptTensor,
-                         pos: Tuple[OptTensor, OptTensor], edge_index: Adj,
-                         num_dst: int) -> Tuple[Tensor, Tensor]:
-        """Scatter path for a ``[B, N, ...]`` batch: B offset copies of the graph."""
-        if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
-            raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
-        B, num_src = v.size(0), v.size(1)
-        if type(edge_index) is not Tensor:  # EdgeIndex; as_subclass breaks compile
-            edge_index = edge_index.as_subclass(Tensor)
-        offsets = torch.arange(B, device=edge_index.device).view(B, 1, 1)
-        offsets = offsets * torch.tensor([num_src, num_dst],
-                                         device=edge_index.device).view(1, 2, 1)
-        flat_index = (edge_index.unsqueeze(0) + offsets).transpose(0, 1).reshape(2, -1)
+    def _project(self, z_h: Tensor, b: int, lead_out: Tuple[int, ...]) -> Tensor:
+        """Per-head output projection of ``z_h [H, M, C]``; rows node-major
+        ``(n, b)`` when ``b > 0``, else in the order of ``lead_out``."""
+        # One batched matmul over heads, [H, M, C] @ [H, C, F]: a block-diagonal
+        # [H*C, H*F] matmul would do H times the work.
+        proj = torch.bmm(z_h, self.weight)  # [H, M, F]
+        if self.concat:
+            proj = proj.transpose(0, 1)  # [M, H, F]
+        else:
+            proj = proj.mean(dim=0, keepdim=True).transpose(0, 1)  # [M, 1, F]
+        width = proj.size(1) * proj.size(2)
+        if b:  # node-major rows (n, b) -> (b, n)
+            proj = proj.reshape(-1, b, width).transpose(0, 1)
+        return proj.reshape(*lead_out, width)
 
-        def flat(t: OptTensor, n: int) -> OptTensor:
-            if t is None:
-                return None
-            if t.dim() == 3:  # [n, H, 4] shared by the batch
-                t = t.unsqueeze(0).expand(B, *t.shape)
-            return t.reshape(B * n, *t.shape[2:])
-
-        q = (flat(q_src, num_src), flat(q_dst, num_dst))
-        p = (None if pos[0] is None else pos[0].unsqueeze(0).expand(B, *pos[0].shape)
-             .reshape(B * num_src, -1),
-             None if pos[1] is None else pos[1].unsqueeze(0).expand(B, *pos[1].shape)
-             .reshape(B * num_dst, -1))
-        alpha = self.edge_updater(flat_index, q=q, pos=p, size=(B * num_src, B * num_dst))
-        z = self.propagate(flat_index, x=(v.reshape(B * num_src, *v.shape[2:]), None),
-                           alpha=alpha, size=(B * num_src, B * num_dst))
-        return z.view(B, num_dst, *z.shape[1:]), alpha.view(B, -1, self.heads)
+    # ------------------------------------------------------- message passing
+    def _message_passing(self, x: Tensor, q_src: Tensor, q_dst: OptTensor,
+                         pos: Tuple[OptTensor, OptTensor], edge_index: Adj, num_dst: int
+                         ) -> Tuple[Tensor, Tensor]:
+        """PyG's ``propagate``; returns ``z [*, N_dst, H, C]`` and alpha."""
+        H = self.heads
+        C = x.size(-1) // H
+        rot_src = rot_dst = None
+        if self.transport == "sandwich":
+            assert q_dst is not None
+            rot_src = quaternion_to_matrix(q_src)
+            rot_dst = rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
+        # Rotate each source once by q_j (the first half of the factorised
+        # sandwich); messages are then plain weighted sums.
+        lead = x.shape[:-1]  # (N,) or (B, N)
+        v = x.view(*lead, H, C // 4, 4)
+        if rot_src is not None:
+            v = matrix_rotate_blocks(rot_src, v)
+        v = v.reshape(*lead, H, C)
+        if x.dim() == 2:
+            size = (x.size(0), num_dst)
+            alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos, size=size)
+            z = self.propagate(edge_index, x=(v, None), alpha=alpha, size=size)
+        else:
+            z, alpha = batched_propagate(self, v, q_src, q_dst, pos, edge_index, num_dst)
+        if rot_dst is not None:
+            z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
+                                     z.view(*z.shape[:-1], C // 4, 4))
+            z = z.reshape(*z.shape[:-2], C)
+        return z, alpha
 
     def _num_dst(self, x_src: Tensor, x_dst: OptTensor, quat, edge_index: Adj,
                  size: Size) -> int:
-        if size is not None:
-            return int(size[1])
-        if isinstance(edge_index, SparseTensor):
-            return int(edge_index.size(0))
-        if isinstance(edge_index, Tensor) and is_torch_sparse_tensor(edge_index):
-            return int(edge_index.size(0))
-        if x_dst is not None:
-            return x_dst.size(-2)
-        if isinstance(quat, (tuple, list)) and quat[1] is not None:
-            return quat[1].size(-3) if quat[1].dim() >= 3 else quat[1].size(0)
-        return x_src.size(-2)
-
-    def _with_self_loops(self, edge_index: Adj, x_src: Tensor, x_dst: OptTensor,
-                         size: Size) -> Adj:
-        if isinstance(edge_index, SparseTensor):
-            from torch_geometric.typing import torch_sparse
-            return torch_sparse.set_diag(edge_index)
-        if is_torch_sparse_tensor(edge_index):
-            raise ValueError("add_self_loops=True is not supported for torch.sparse "
-                             "adjacencies; add the diagonal before calling QSVConv")
-        # Only nodes that exist on both sides get a loop (as in GATConv).
-        num_nodes = x_src.size(-2)
-        if x_dst is not None:
-            num_nodes = min(num_nodes, x_dst.size(-2))
-        if size is not None:
-            num_nodes = min(size)
-        edge_index, _ = remove_self_loops(edge_index)
-        edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
-        return edge_index
+        return num_targets(x_src, x_dst, quat, edge_index, size)
 
     # ------------------------------------------------------------ scatter path
     def _logits(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
@@ -655,135 +469,6 @@ class QSVConv(MessagePassing):
 
     def message(self, x_j: Tensor, alpha: Tensor) -> Tensor:
         return alpha.unsqueeze(-1) * x_j
-
-    # -------------------------------------------------------- fixed-degree path
-    def _dense_neighbors(self, edge_index: Adj, num_dst: int) -> OptTensor:
-        if self.dense_path == "never" or not isinstance(edge_index, Tensor) \
-                or is_torch_sparse_tensor(edge_index):
-            return None
-        # Explainers hook into `message`; keep them on the message-passing path.
-        if self.explain or len(self._message_forward_hooks) > 0 \
-                or len(self._edge_update_forward_hooks) > 0:
-            return None
-        edge_index = edge_index.as_subclass(Tensor) if type(edge_index) is not Tensor \
-            else edge_index
-        if is_compiling():
-            if self.dense_path == "always" and num_dst > 0 \
-                    and edge_index.size(1) % num_dst == 0 and edge_index.size(1) > 0:
-                return edge_index[0].view(num_dst, -1)
-            return None
-        nbr = fixed_degree_neighbors(edge_index, num_dst)
-        if nbr is None and self.dense_path == "always":
-            raise ValueError(
-                "dense_path='always' needs a target-sorted graph with the same number "
-                "of incoming edges for every target")
-        return nbr
-
-    def _use_fused(self, x_src: Tensor, q_src: Tensor, q_dst: OptTensor) -> bool:
-        """Whether :func:`~qsv_pyg.nn.qsv_kernel.qsv_aggregate` computes this call:
-        learned routing with the sandwich transport, a routing shared by the
-        batch (quaternions ``[N, H, 4]``), no attention dropout, eager mode
-        without autocast."""
-        return (self.routing in ("learned", "abs") and self.transport == "sandwich"
-                and q_dst is not None and q_src.dim() == 3 and q_dst.dim() == 3
-                and not (self.training and self.dropout > 0)
-                and x_src.dtype in (torch.float32, torch.float64)
-                and q_src.dtype == q_dst.dtype == x_src.dtype and not is_compiling()
-                # its sparse products take one dtype; under autocast the
-                # matmuls would change it midway
-                and not torch.is_autocast_enabled(x_src.device.type))
-
-    def _fused_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: Tensor,
-                         nbr: Tensor) -> Tuple[Tensor, Tensor]:
-        """The fixed-degree aggregation as one autograd node; same returns as
-        :meth:`_dense_aggregate` (``z`` node-major ``[N_dst, H, B, C]``, here
-        possibly a strided view)."""
-        H = self.heads
-        C = x_src.size(-1) // H
-        b = x_src.numel() // max(x_src.size(-1) * x_src.size(-2), 1) if x_src.dim() == 3 else 1
-        n_src, n_dst = x_src.size(-2), nbr.size(0)
-        blocks = b * C // 4
-        comp = blocks >= COMPONENT_MAJOR_MIN_BLOCKS
-        x5 = x_src.reshape(b, n_src, H, C // 4, 4)
-        # [N, H, B, C/4, 4] (block-major) or [N, H, 4, B, C/4] (component-major)
-        v = x5.permute(1, 2, 4, 0, 3) if comp else x5.permute(1, 2, 0, 3, 4)
-        shape = (n_src, H, 4, blocks) if comp else (n_src, H, blocks, 4)
-        z, alpha = qsv_aggregate(v.reshape(shape), q_src,
-                                 None if q_dst is q_src else q_dst, self.beta, nbr,
-                                 use_abs=self.routing == "abs", component_major=comp)
-        if comp:  # back to [N, H, B, C/4, 4] as a view; the caller's reshape copies once
-            z = z.view(n_dst, H, 4, b, C // 4).permute(0, 1, 3, 4, 2)
-        else:
-            z = z.view(n_dst, H, b, C // 4, 4)
-        return z, alpha.reshape(-1, H)
-
-    @staticmethod
-    def _rotate_node_major(rot: Tensor, v: Tensor) -> Tensor:
-        """Rotate ``v`` laid out ``[N, H, B, C]`` by ``rot`` (``[N, H, 3, 3]``
-        shared by the batch, or ``[B, N, H, 3, 3]``); returns a contiguous tensor."""
-        n, h, b, c = v.shape
-        if rot.dim() == 4:  # every (batch item, block) of a node-head is one row
-            return matrix_rotate_blocks(rot, v.reshape(n, h, b * c // 4, 4)).view(n, h, b, c)
-        rot = rot.permute(1, 2, 0, 3, 4)  # [N, H, B, 3, 3]
-        return matrix_rotate_blocks(rot, v.reshape(n, h, b, c // 4, 4)).view(n, h, b, c)
-
-    def _rotations(self, q_src: Tensor, q_dst: OptTensor) -> Tuple[OptTensor, OptTensor]:
-        if self.transport != "sandwich":
-            return None, None
-        assert q_dst is not None
-        rot_src = quaternion_to_matrix(q_src)
-        return rot_src, rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
-
-    def _dense_aggregate(self, x_src: Tensor, q_src: Tensor, q_dst: OptTensor,
-                         pos: Tuple[OptTensor, OptTensor], nbr: Tensor
-                         ) -> Tuple[Tensor, Tensor]:
-        """Transport, softmax over the k neighbours and weighted sum, no scatter.
-
-        Works node-major, ``[N, H, B, C]``: a batch sharing a field rotates as one
-        matmul per node and head, the neighbour gather copies contiguous rows,
-        and a routing shared by the batch weights long contiguous runs.
-        Returns ``z`` node-major, ``[N_dst, H, B, C]`` (``B = 1`` without a
-        batch), and alpha as ``[*, E, H]``.
-        """
-        if self._use_fused(x_src, q_src, q_dst):
-            assert q_dst is not None
-            return self._fused_aggregate(x_src, q_src, q_dst, nbr)
-        rot_src, rot_dst = self._rotations(q_src, q_dst)
-        n, k = nbr.shape
-        H = self.heads
-        batch = x_src.shape[:-2]
-        b = x_src.numel() // max(x_src.size(-1) * x_src.size(-2), 1) if batch else 1
-        C = x_src.size(-1) // H
-        v = x_src.reshape(b, x_src.size(-2), H, C).permute(1, 2, 0, 3)  # [N, H, B, C]
-        v = self._rotate_node_major(rot_src, v) if rot_src is not None else v.contiguous()
-
-        if self.routing in ("learned", "abs"):
-            assert q_dst is not None
-            # [..., n, 1, H, 4] . [..., n, k, H, 4]; with a field shared by the
-            # batch this is computed once, not once per batch item.
-            re_r = neighbor_dot(q_dst, q_src, nbr)  # Re(q_i* q_j) = <q_i, q_j>
-            if self.routing == "abs":
-                re_r = re_r.abs()
-            logits = re_r * self.beta
-        elif self.routing == "geometric":
-            p_src, p_dst = pos
-            assert p_src is not None and p_dst is not None
-            logits = self._logits(None, None, p_dst.unsqueeze(-2),
-                                  gather_rows(p_src, nbr, -2), (n, k))
-        else:
-            logits = self._logits(None, q_src, None, None, (n, k))
-        alpha = torch.softmax(logits, dim=-2)  # [..., n, k, H]
-        if self.training and self.dropout > 0 and alpha.dim() == 3 and batch:
-            # Routing shared by the batch: still drop independently per item,
-            # as the scatter path does.
-            alpha = alpha.expand(*batch, *alpha.shape)
-        alpha = F.dropout(alpha, p=self.dropout, training=self.training)
-
-        a_nm = alpha if alpha.dim() == 3 else alpha.reshape(b, n, k, H).permute(1, 2, 3, 0)
-        z = weighted_neighbor_sum(a_nm, v, nbr)  # [n, H, B, C]
-        if rot_dst is not None:
-            z = self._rotate_node_major(rot_dst.transpose(-1, -2), z)
-        return z, alpha.reshape(*alpha.shape[:-3], n * k, H)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "

@@ -1,31 +1,28 @@
-r"""The QSV aggregation as one autograd node, for fixed-degree graphs.
+r"""QSV attention over a CSR graph as one registered operator.
 
-For a routing shared by every batch item (2-D input, or a per-node quaternion
-field) the whole of QSV attention between "features in" and "per-head sums
-out" is
+For every target :math:`i` with incoming edges from sources :math:`j` (any
+graph: variable degree, bipartite, isolated targets) and every head:
 
 .. math::
     \mathbf{u}_j = Q_j \mathbf{v}_j, \quad
-    \alpha_{ik} = \operatorname{softmax}_k\big(\beta\, \langle q_i, q_{n(i,k)} \rangle\big),
-    \quad \mathbf{y}_i = \textstyle\sum_k \alpha_{ik} \mathbf{u}_{n(i,k)}, \quad
+    \alpha_{ij} = \operatorname{softmax}_j\big(\beta\, \langle k_i, k_j \rangle\big),
+    \quad \mathbf{y}_i = \textstyle\sum_j \alpha_{ij} \mathbf{u}_j, \quad
     \mathbf{z}_i = Q_i^\top \mathbf{y}_i,
 
 with :math:`Q = \mathrm{diag}(1, R(q))` acting on every block of four channels
-(:func:`~qsv_pyg.quaternion.quaternion_to_block_matrix`). Written as ordinary
-autograd operations this is some sixty small kernels forward and backward; at a
-few thousand nodes their fixed cost, not arithmetic, sets the time. Here the
-forward is eight kernels (two batched 4x4 matmuls, a gathered dot product, the
-softmax, one sparse matrix product) and the backward is written out by hand
-(two batched matmuls, one SDDMM, one SpMM, and, when the quaternions need a
-gradient, two narrow SpMMs for the logits and two batched matmuls for the
-rotations). Nothing of size ``[E, H, C]`` is stored.
+(:func:`~qsv_pyg.quaternion.quaternion_to_block_matrix`; skipped when
+``rotate=False``) and routing keys :math:`k` (the unit quaternions for learned
+routing; ``D = 0`` gives uniform weights; optionally :math:`|\langle\cdot\rangle|`).
+The backward is written out by hand; nothing of size ``[E, H, C]`` is stored
+on CPU.
 
-On CPU, for the block-major layout, the same arithmetic runs in a C++ kernel
-(:mod:`qsv_pyg.nn._cpu_ext`, two OpenMP passes, compiled on first use) when it
-can be built; otherwise, and on other devices, in the PyTorch operations below.
-
-The gradient is checked against autograd of the unfused operations
-(``tests/test_qsv_kernel.py``, ``gradcheck`` in float64, both implementations).
+``qsv_pyg::attend`` and ``qsv_pyg::attend_backward`` are registered with
+:func:`torch.library.custom_op` (with fake kernels, autograd and CPU/CUDA
+autocast to float32), so :func:`torch.compile` keeps them in one graph. On CPU
+they run the C++ kernel of :mod:`qsv_pyg.nn._cpu_ext` when it can be built;
+elsewhere (and with ``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below
+(gathers and ``index_add``). Both are checked against autograd of the literal
+per-edge formula (``tests/test_qsv_kernel.py``, ``opcheck`` included).
 """
 from __future__ import annotations
 
@@ -33,224 +30,207 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..quaternion import block_matrix_to_quaternion_grad, quaternion_to_block_matrix
 from ._cpu_ext import cpu_kernel
-from .fixed_degree import _csr_pattern, neighbor_dot
+from .csr import GraphCSR
+
+Tensors5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+Tensors6 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def softmax_last(s: Tensor) -> Tensor:
-    r"""Softmax over the last dimension.
-
-    ``torch.softmax`` over a last dimension shorter than 16 takes a slow path on
-    CPU (8 wide: 13.8 ms for 2M values vs 2.7 ms written out, 2 cores); the
-    written-out form is used there.
-    """
-    if s.size(-1) >= 16 or s.device.type != "cpu":
-        return torch.softmax(s, dim=-1)
-    e = (s - s.amax(dim=-1, keepdim=True)).exp_()
-    return e.div_(e.sum(dim=-1, keepdim=True))
-
-
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: Tuple[int, int]) -> Tensor:
-    return torch.sparse_csr_tensor(crow, col, values, shape)
-
-
-# Two layouts of the M four-vectors of a (node, head): "block-major" [M, 4]
-# (the channel order of the input) and "component-major" [4, M]. Applying the
-# 4x4 matrices is a batched matmul either way; which is faster depends on M
-# (2 cores: M = 4, 16k matrices: 254 us block-major vs 370 us; M = 64: 3.8 ms
-# vs 0.93 ms), so the caller picks (see COMPONENT_MAJOR_MIN_BLOCKS).
-COMPONENT_MAJOR_MIN_BLOCKS = 16
-
-
-def _apply(rot: Tensor, t: Tensor, transpose: bool, comp: bool) -> Tensor:
-    """``rot @ t_m`` (or ``rot^T @ t_m``) for every vector ``t_m`` of ``t``."""
-    if comp:  # t [NH, 4, M]
-        return torch.bmm(rot.transpose(1, 2) if transpose else rot, t)
-    return torch.bmm(t, rot if transpose else rot.transpose(1, 2))  # t [NH, M, 4]
-
-
-def _outer(a: Tensor, b: Tensor, comp: bool) -> Tensor:
-    """``sum_m a_m b_m^T`` per batch entry, ``[NH, 4, 4]``."""
-    if comp:
-        return torch.bmm(a, b.transpose(1, 2))
-    return torch.bmm(a.transpose(1, 2), b)
-
-
-class _QSVAggregate(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, v: Tensor, q_src: Tensor, q_dst: Optional[Tensor], beta: Tensor,
-                nbr: Tensor, use_abs: bool, comp: bool):
-        n, k = nbr.shape
-        ns, H = v.shape[:2]
-        width = v[0, 0].numel()
-        same = q_dst is None
-        qd = q_src if same else q_dst
-        crow, col, crow_t, col_t, perm = _csr_pattern(nbr, H, ns)
-        ctx.set_materialize_grads(False)
-        ctx.use_abs, ctx.comp = use_abs, comp
-        ctx.pattern = (crow, col, crow_t, col_t, perm)
-        ext = _kernel_for(v, q_src, qd, beta, nbr, crow_t, comp)
-        ctx.ext = ext
-        if ext is not None:
-            # The C++ kernel: the same arithmetic in two passes (rotation matrices
-            # computed on the fly); dot is [n, H, k] here.
-            z, alpha, u, y, dot = ext.forward(v, q_src, qd, beta.contiguous(),
-                                              nbr.contiguous(), use_abs)
-            ctx.save_for_backward(v, q_src, q_dst, beta, nbr, None, None, u, y, dot, alpha)
-            return z, alpha.transpose(1, 2)
-        rot_s = quaternion_to_block_matrix(q_src).view(ns * H, 4, 4)
-        rot_d = rot_s if same else quaternion_to_block_matrix(qd).view(n * H, 4, 4)
-        vf = v.view(ns * H, *v.shape[2:])
-        u = _apply(rot_s, vf, False, comp)  # rotate every source once by q_j
-        dot = neighbor_dot(qd, q_src, nbr)  # [n, k, H], Re(q_i* q_j)
-        r = dot.abs() if use_abs else dot
-        # (i, h, k) order = the CSR value order of rows (i, h).
-        alpha = softmax_last((r * beta).transpose(1, 2).contiguous())
-        y = _csr(crow, col, alpha.view(-1), (n * H, ns * H)) @ u.view(ns * H, width)
-        y = y.view(n * H, *v.shape[2:])
-        z = _apply(rot_d, y, True, comp)  # rotate back by q_i*
-        ctx.save_for_backward(v, q_src, q_dst, beta, nbr, rot_s,
-                              None if same else rot_d, u, y, dot, alpha)
-        return z.view(n, H, *v.shape[2:]), alpha.transpose(1, 2)
-
-    @staticmethod
-    @once_differentiable  # the sparse products are not differentiated twice
-    def backward(ctx, grad_z: Optional[Tensor], grad_alpha: Optional[Tensor]):
-        v, q_src, q_dst, beta, nbr, rot_s, rot_d, u, y, dot, alpha = ctx.saved_tensors
-        crow, col, crow_t, col_t, perm = ctx.pattern
-        comp = ctx.comp
-        need_v, need_qs, need_qd, need_beta = ctx.needs_input_grad[:4]
-        same = q_dst is None
-        qd = q_src if same else q_dst
-        rot_d = rot_s if same else rot_d
-        n, k = nbr.shape
-        ns, H = v.shape[:2]
-        width = v[0, 0].numel()
-        shape, shape_t = (n * H, ns * H), (ns * H, n * H)
-        need_q = need_qs or need_qd
-        gv = gqs = gqd = gbeta = None
-        if grad_z is None:  # only the attention weights were used
-            grad_z = v.new_zeros(n, H, *v.shape[2:])
-
-        if ctx.ext is not None:
-            g_alpha = None if grad_alpha is None else grad_alpha.transpose(1, 2).contiguous()
-            gv, gqs, gqd, gbeta = ctx.ext.backward(
-                grad_z.contiguous(), g_alpha, v, q_src, qd, beta.contiguous(),
-                nbr.contiguous(), alpha, dot, u, y, crow_t, col_t, perm, ctx.use_abs,
-                bool(need_v), bool(need_q))
-            if not need_q:
-                gqs = gqd = None
-            elif same:  # one node set: both roles' gradients go to the same quaternions
-                gqs, gqd = gqs + gqd, None
-            return (gv if need_v else None, gqs, gqd, gbeta if need_beta else None,
-                    None, None, None)
-
-        gz = grad_z.contiguous().view(n * H, *v.shape[2:])
-        gy = _apply(rot_d, gz, False, comp)
-        # d loss / d alpha = <gy_i, u_j> on the edges (SDDMM); alpha as the
-        # pattern's values only fixes the sparsity (beta=0 ignores them).
-        ga = torch.sparse.sampled_addmm(_csr(crow, col, alpha.view(-1), shape),
-                                        gy.view(n * H, width), u.view(ns * H, width).t(),
-                                        beta=0.0).values().view(n, H, k)
-        if grad_alpha is not None:
-            ga = ga + grad_alpha.transpose(1, 2)
-        gs = alpha * (ga - (alpha * ga).sum(dim=-1, keepdim=True))  # softmax backward
-        r = dot.abs() if ctx.use_abs else dot
-        if need_beta:
-            gbeta = (gs.transpose(1, 2) * r).sum(dim=(0, 1))
-        gu = None
-        if need_v or need_q:
-            a_t = _csr(crow_t, col_t, alpha.view(-1).index_select(0, perm), shape_t)
-            gu = (a_t @ gy.view(n * H, width)).view(ns * H, *v.shape[2:])
-        if need_v:
-            gv = _apply(rot_s, gu, True, comp).view(v.shape)
-        if need_q:
-            gd = gs * beta.view(1, H, 1)  # d loss / d <q_i, q_j>, (i, h, k) order
-            if ctx.use_abs:
-                gd = gd * dot.sign().transpose(1, 2)
-            gd = gd.reshape(-1)
-            # <q_i, q_j> sends gd * q_j to q_i (SpMM) and gd * q_i to q_j (A^T SpMM).
-            gqd = _csr(crow, col, gd, shape) @ q_src.reshape(ns * H, 4)
-            gqs = _csr(crow_t, col_t, gd.index_select(0, perm), shape_t) @ qd.reshape(n * H, 4)
-            vf = v.view(ns * H, *v.shape[2:])
-            g_rot_s = _outer(gu, vf, comp)  # u = Q_j v
-            g_rot_d = _outer(y, gz, comp)   # z = Q_i^T y
-            gqs, gqd = _quaternion_grads(q_src, qd, same, gqs, gqd, g_rot_s, g_rot_d)
-        return gv, gqs, gqd, gbeta, None, None, None
-
-
-def _quaternion_grads(q_src: Tensor, q_dst: Tensor, same: bool, g_dot_src: Tensor,
-                      g_dot_dst: Tensor, g_rot_s: Tensor, g_rot_d: Tensor
-                      ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Source and target quaternion gradients from the logit part (``g_dot_*``,
-    ``N * H`` rows of 4) and the rotation part (``g_rot_*``, ``N * H`` 4x4)."""
-    ns, H = q_src.shape[:2]
-    n = q_dst.size(0)
-    if same:
-        gq = (g_dot_src + g_dot_dst).view(q_src.shape) + block_matrix_to_quaternion_grad(
-            q_src, (g_rot_s + g_rot_d).view(ns, H, 4, 4))
-        return gq, None
-    gqs = g_dot_src.view(q_src.shape) + block_matrix_to_quaternion_grad(
-        q_src, g_rot_s.view(ns, H, 4, 4))
-    gqd = g_dot_dst.view(q_dst.shape) + block_matrix_to_quaternion_grad(
-        q_dst, g_rot_d.view(n, H, 4, 4))
-    return gqs, gqd
-
-
-def _kernel_for(v: Tensor, q_src: Tensor, q_dst: Tensor, beta: Tensor, nbr: Tensor,
-                crow_t: Tensor, comp: bool):
-    """The C++ module when it applies (CPU, block-major, one dtype), else None."""
-    if comp or v.device.type != "cpu" or nbr.dtype != torch.long \
-            or crow_t.dtype != torch.int32:
-        return None
-    if not (v.dtype == q_src.dtype == q_dst.dtype == beta.dtype) \
-            or v.dtype not in (torch.float32, torch.float64):
+def _ext(v: Tensor):
+    """The C++ module when it applies (CPU, float32/float64), else None."""
+    if v.device.type != "cpu" or v.dtype not in (torch.float32, torch.float64):
         return None
     return cpu_kernel()
 
 
-def qsv_aggregate(v: Tensor, q_src: Tensor, q_dst: Optional[Tensor], beta: Tensor,
-                  nbr: Tensor, use_abs: bool = False,
-                  component_major: bool = False) -> Tuple[Tensor, Tensor]:
-    r"""Fused QSV attention on a fixed-degree graph (routing shared by the batch).
+def _rotate(t: Tensor, q: Tensor, transpose: bool) -> Tensor:
+    """``Q(q) t_m`` (or ``Q^T t_m``) for the blocks of ``t`` ``[N, H, M, 4]``."""
+    n, h, m, _ = t.shape
+    rot = quaternion_to_block_matrix(q).view(n * h, 4, 4)
+    out = torch.bmm(t.reshape(n * h, m, 4), rot if transpose else rot.transpose(1, 2))
+    return out.view(t.shape)
+
+
+def _outer_grad(q: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """dL/dq when dL/dQ(q) = sum_m a_m b_m^T (``a``, ``b`` ``[N, H, M, 4]``)."""
+    n, h, m, _ = a.shape
+    g = torch.bmm(a.reshape(n * h, m, 4).transpose(1, 2), b.reshape(n * h, m, 4))
+    return block_matrix_to_quaternion_grad(q, g.view(n, h, 4, 4))
+
+
+def _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate):
+    num_dst, E, H = rowptr.numel() - 1, col.numel(), v.size(1)
+    src = _rotate(v, qs, False) if rotate else v
+    dot = (kd[row] * ks[col]).sum(-1) if ks.size(-1) else v.new_zeros(E, H)
+    logits = (dot.abs() if use_abs else dot) * beta
+    idx = row.view(-1, 1).expand(-1, H)
+    mx = logits.new_full((num_dst, H), float("-inf")).scatter_reduce(
+        0, idx, logits, "amax", include_self=True)
+    ex = (logits - mx[row]).exp()
+    alpha = ex / ex.new_zeros(num_dst, H).index_add(0, row, ex)[row]
+    y = v.new_zeros(num_dst, *v.shape[1:]).index_add(
+        0, row, alpha.view(E, H, 1, 1) * src[col])
+    if not rotate:
+        return y, alpha, v.new_empty(0), v.new_empty(0), dot
+    return _rotate(y, qd, True), alpha, src, y, dot
+
+
+def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y,
+                    use_abs, rotate, need_v, need_q, need_k):
+    E, H = alpha.shape
+    gy = _rotate(gz, qd, False) if rotate else gz
+    src = u if rotate else v
+    ga = (gy[row] * src[col]).sum(dim=(-1, -2))
+    if galpha is not None:
+        ga = ga + galpha
+    sa = ga.new_zeros(gy.size(0), H).index_add(0, row, alpha * ga)
+    gs = alpha * (ga - sa[row])
+    gbeta = (gs * (dot.abs() if use_abs else dot)).sum(0)
+    gd = gs * beta * (dot.sign() if use_abs else 1.0)
+    gks, gkd, gv, gqs, gqd = (v.new_empty(0) for _ in range(5))  # distinct: no aliasing
+    if need_k:
+        gkd = torch.zeros_like(kd).index_add(0, row, gd.unsqueeze(-1) * ks[col])
+        gks = torch.zeros_like(ks).index_add(0, col, gd.unsqueeze(-1) * kd[row])
+    if need_v or need_q:
+        gu = torch.zeros_like(v).index_add(0, col, alpha.view(E, H, 1, 1) * gy[row])
+        if need_v:
+            gv = _rotate(gu, qs, True) if rotate else gu
+        if need_q:  # u = Q_j v and z = Q_i^T y
+            gqs = _outer_grad(qs, gu, v)
+            gqd = _outer_grad(qd, y, gz)
+    return gv, gqs, gqd, gks, gkd, gbeta
+
+
+@torch.library.custom_op("qsv_pyg::attend", mutates_args=())
+def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
+           rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+           row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
+    """Forward: ``(z, alpha, u, y, dot)``; ``u``, ``y`` (empty unless
+    ``rotate``) and ``dot`` are kept for the backward."""
+    ext = _ext(v)
+    if ext is not None:
+        z, alpha, u, y, dot = ext.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs,
+                                          rotate)
+        return z, alpha, u, y, dot
+    return _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate)
+
+
+@attend.register_fake
+def _(v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs, rotate):
+    num_dst, E = rowptr.size(0) - 1, col.size(0)
+    z = v.new_empty(num_dst, *v.shape[1:])
+    kept = (v.new_empty(v.shape), v.new_empty(z.shape)) if rotate else \
+        (v.new_empty(0), v.new_empty(0))
+    return z, v.new_empty(E, v.size(1)), kept[0], kept[1], v.new_empty(E, v.size(1))
+
+
+@torch.library.custom_op("qsv_pyg::attend_backward", mutates_args=())
+def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
+                    qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor, rowptr: Tensor,
+                    col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+                    row_t: Tensor, alpha: Tensor, dot: Tensor, u: Tensor, y: Tensor,
+                    use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
+                    need_k: bool) -> Tensors6:
+    """Gradients ``(v, qs, qd, ks, kd, beta)``; empty where not needed."""
+    need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
+    ext = _ext(v)
+    if ext is not None:
+        out = ext.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
+                           perm_t, row_t, alpha, dot, u, y, use_abs, rotate, need_v,
+                           need_q, need_k)
+        return tuple(out)  # type: ignore[return-value]
+    gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
+        gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y, use_abs, rotate,
+        need_v, need_q, need_k)
+    return gv, gqs, gqd, gks, gkd, gbeta
+
+
+@attend_backward.register_fake
+def _(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t,
+      alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k):
+    need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
+
+    def like(t: Tensor, need: bool) -> Tensor:
+        return t.new_empty(t.shape) if need else t.new_empty(0)
+
+    return (like(v, need_v), like(qs, need_q), like(qd, need_q), like(ks, need_k),
+            like(kd, need_k), beta.new_empty(beta.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs, rotate = \
+        inputs
+    z, alpha, u, y, dot = output
+    ctx.mark_non_differentiable(u, y, dot)
+    ctx.flags = (use_abs, rotate)
+    ctx.save_for_backward(v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t,
+                          row_t, alpha, dot, u, y)
+
+
+def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
+    v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y = \
+        ctx.saved_tensors
+    use_abs, rotate = ctx.flags
+    nv, nqs, nqd, nks, nkd, nbeta = ctx.needs_input_grad[:6]
+    if gz is None:
+        gz = v.new_zeros(rowptr.numel() - 1, *v.shape[1:])
+    gv, gqs, gqd, gks, gkd, gbeta = attend_backward(
+        gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd, ks,
+        kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y, use_abs,
+        rotate, nv, nqs or nqd, nks or nkd)
+    return (gv if nv else None, gqs if nqs and gqs.numel() else None,
+            gqd if nqd and gqd.numel() else None, gks if nks and gks.numel() else None,
+            gkd if nkd and gkd.numel() else None, gbeta if nbeta else None,
+            None, None, None, None, None, None, None, None)
+
+
+attend.register_autograd(_backward, setup_context=_setup_context)
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("qsv_pyg::attend", _device, torch.float32)
+
+
+def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_src: Tensor,
+               k_dst: Tensor, beta: Tensor, graph: GraphCSR,
+               use_abs: bool = False) -> Tuple[Tensor, Tensor]:
+    r"""QSV attention of ``graph`` (see the module docstring).
 
     Args:
-        v: source features in blocks of four, node-major: ``[N_src, H, M, 4]``
-            (``M`` blocks per head, e.g. ``B * C / 4`` for a batch laid out
-            ``[N, H, B, C]``), or ``[N_src, H, 4, M]`` with
-            ``component_major=True``.
-        q_src: unit source quaternions ``[N_src, H, 4]``.
-        q_dst: unit target quaternions ``[N_dst, H, 4]``, or :obj:`None` when
-            targets and sources are the same nodes (then ``N_dst = N_src``).
+        v: source features in blocks of four, ``[N_src, H, M, 4]``.
+        q_src, q_dst: unit quaternions ``[N_src, H, 4]`` / ``[N_dst, H, 4]`` of
+            the transport, or both :obj:`None` for no transport.
+        k_src, k_dst: routing keys ``[N_src, H, D]`` / ``[N_dst, H, D]``
+            (``D = 0``: uniform routing).
         beta: routing temperatures ``[H]``.
-        nbr: source indices ``[N_dst, k]``.
-        use_abs: route by :math:`|\mathrm{Re}\, r|` instead of
-            :math:`\mathrm{Re}\, r`.
-        component_major: the layout of ``v`` (and of the result); faster for
-            many blocks per head (``M >= 16``), see ``COMPONENT_MAJOR_MIN_BLOCKS``.
+        graph: the :class:`~qsv_pyg.nn.csr.GraphCSR` (``N_dst`` targets).
+        use_abs: route by :math:`|\langle k_i, k_j \rangle|`.
 
     Returns:
-        ``z`` in the layout of ``v`` with ``N_dst`` rows (transported, weighted,
-        rotated back) and the attention weights ``[N_dst, k, H]``.
+        ``z`` ``[N_dst, H, M, 4]`` and the attention weights ``[E, H]`` in the
+        graph's target-sorted edge order.
     """
-    n, k = nbr.shape
-    four = v.size(2) if component_major else v.size(-1)
-    if v.dim() != 4 or four != 4 or q_src.shape != (v.size(0), v.size(1), 4):
-        layout = "[N_src, H, 4, M]" if component_major else "[N_src, H, M, 4]"
-        raise ValueError(f"qsv_aggregate: v {tuple(v.shape)} must be {layout} "
-                         f"and q_src {tuple(q_src.shape)} [N_src, H, 4]")
-    if q_dst is None and n != v.size(0):
-        raise ValueError(f"qsv_aggregate: {n} targets but {v.size(0)} sources and no "
-                         f"q_dst; pass the targets' quaternions")
-    if q_dst is not None and q_dst.shape != (n, v.size(1), 4):
-        raise ValueError(f"qsv_aggregate: q_dst {tuple(q_dst.shape)} must be "
-                         f"[{n}, {v.size(1)}, 4]")
-    if beta.shape != (v.size(1), ):
-        raise ValueError(f"qsv_aggregate: beta {tuple(beta.shape)} must be [{v.size(1)}]")
-    return _QSVAggregate.apply(v.contiguous(), q_src.contiguous(),
-                               None if q_dst is None else q_dst.contiguous(),
-                               beta, nbr, use_abs, component_major)
+    ns, heads = v.shape[:2]
+    nd = graph.rowptr.numel() - 1
+    rotate = q_src is not None
+    if v.dim() != 4 or v.size(-1) != 4:
+        raise ValueError(f"qsv_attend: v {tuple(v.shape)} must be [N_src, H, M, 4]")
+    if rotate and (q_dst is None or q_src.shape != (ns, heads, 4)
+                   or q_dst.shape != (nd, heads, 4)):
+        raise ValueError(f"qsv_attend: quaternions must be [{ns}, {heads}, 4] and "
+                         f"[{nd}, {heads}, 4]")
+    d = k_src.size(-1)
+    if k_src.shape != (ns, heads, d) or k_dst.shape != (nd, heads, d):
+        raise ValueError(f"qsv_attend: keys {tuple(k_src.shape)}, {tuple(k_dst.shape)} "
+                         f"must be [{ns}, {heads}, D] and [{nd}, {heads}, D]")
+    if beta.shape != (heads, ):
+        raise ValueError(f"qsv_attend: beta {tuple(beta.shape)} must be [{heads}]")
+    empty = v.new_empty(0, heads, 4)
+    dt = v.dtype
+    z, alpha, _, _, _ = attend(
+        v.contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
+        empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
+        k_dst.to(dt).contiguous(), beta.to(dt), graph.rowptr, graph.col, graph.row,
+        graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
+    return z, alpha

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..quaternion import conjugate, hamilton_product
+from .graph_args import with_self_loops
 from .qsv_conv import QSVConv
 
 
@@ -40,11 +41,12 @@ def qsv_conv_reference(
     else:
         x_src, x_dst = x
     H = conv.heads
-    C = x_src.size(-1) // H
     num_dst = x_dst.size(0) if x_dst is not None else quat[1].size(0)
     q_src, q_dst = conv._node_quaternions(x_src, x_dst, quat, num_dst)
+    x_src = conv.pad_source(x_src)
+    C = x_src.size(-1) // H
     if conv.add_self_loops:
-        edge_index = conv._with_self_loops(edge_index, x_src, x_dst, None)
+        edge_index = with_self_loops(edge_index, x_src, x_dst, None)
     src, dst = edge_index
     E = src.numel()
 

@@ -1,0 +1,59 @@
+"""The one dispatch point of QSVConv (qsv_pyg.nn.dispatch.choose_path), tested directly."""
+import pytest
+import torch
+
+from qsv_pyg.nn import PATHS, QSVConv, choose_path
+
+
+def call(conv, x, quat=None, edge_index=None):
+    edge_index = torch.tensor([[0, 1, 2], [1, 2, 0]]) if edge_index is None else edge_index
+    return choose_path(conv, x, quat, edge_index)
+
+
+def test_paths_are_named_once():
+    assert PATHS == ("attend_shared", "attend_per_item", "message_passing")
+
+
+@pytest.mark.parametrize("routing", ["learned", "abs", "uniform", "geometric"])
+@pytest.mark.parametrize("transport", ["sandwich", "identity"])
+def test_every_routing_and_transport_takes_the_operator(routing, transport):
+    conv = QSVConv(8, 4, heads=2, routing=routing, transport=transport)
+    assert call(conv, torch.randn(3, 8), torch.randn(3, 2, 4)) == "attend_shared"
+
+
+def test_batch_with_a_shared_field_routes_once():
+    conv = QSVConv(8, 4, heads=2)
+    assert call(conv, torch.randn(5, 3, 8), torch.randn(3, 2, 4)) == "attend_shared"
+
+
+def test_batch_with_per_item_quaternions_uses_graph_copies():
+    conv = QSVConv(8, 4, heads=2)
+    assert call(conv, torch.randn(5, 3, 8), torch.randn(5, 3, 2, 4)) == "attend_per_item"
+
+
+def test_dropout_only_while_training_needs_message_passing():
+    conv = QSVConv(8, 4, heads=2, dropout=0.3)
+    x, q = torch.randn(3, 8), torch.randn(3, 2, 4)
+    assert call(conv.train(), x, q) == "message_passing"
+    assert call(conv.eval(), x, q) == "attend_shared"
+
+
+def test_never_forces_message_passing_and_always_is_auto():
+    x, q = torch.randn(3, 8), torch.randn(3, 2, 4)
+    assert call(QSVConv(8, 4, heads=2, dense_path="never"), x, q) == "message_passing"
+    assert call(QSVConv(8, 4, heads=2, dense_path="always"), x, q) == "attend_shared"
+
+
+def test_sparse_adjacency_uses_message_passing():
+    from torch_geometric.utils import to_torch_coo_tensor
+    conv = QSVConv(8, 4, heads=2)
+    adj = to_torch_coo_tensor(torch.tensor([[0, 1], [1, 2]]), size=(3, 3))
+    assert call(conv, torch.randn(3, 8), None, adj) == "message_passing"
+
+
+def test_message_hooks_use_message_passing():
+    conv = QSVConv(8, 4, heads=2)
+    handle = conv.register_message_forward_hook(lambda *a: None)
+    assert call(conv, torch.randn(3, 8)) == "message_passing"
+    handle.remove()
+    assert call(conv, torch.randn(3, 8)) == "attend_shared"
