@@ -888,3 +888,14 @@ def test_forward_errors(random_graph):
     # check_finite=False skips the check (and its host sync).
     out = QSVConv(8, 4, heads=2, check_finite=False)(bad, ei)
     assert not torch.isfinite(out).all()
+
+
+def test_cpu_autocast_keeps_the_fast_path(knn_graph, monkeypatch):
+    conv = make_conv(16, 3, 2)
+    x, quat, _ = inputs(knn_graph.num_nodes, 16, 2, seed=31, batch=2)
+    calls = spy_fast(conv, monkeypatch)
+    ref = conv(x, knn_graph.edge_index, quat=quat[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(x, knn_graph.edge_index, quat=quat[0])
+    assert calls == ["attend_shared"] * 2 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)

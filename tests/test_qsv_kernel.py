@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import qsv_pyg.nn._cpu_ext as cpu_ext
-from qsv_pyg.nn import QSVConv, graph_csr, qsv_attend, unit_quaternion
+from qsv_pyg.nn import graph_csr, qsv_attend, unit_quaternion
 from qsv_pyg.nn.csr import batch_csr, build_csr
 from qsv_pyg.nn.qsv_kernel import _ext, attend
 from qsv_pyg.quaternion import (

@@ -11,7 +11,6 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.nn.parameter import UninitializedParameter
 
-from torch_geometric import is_compiling
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
@@ -206,18 +205,7 @@ class QSVConv(NodeQuaternions, MessagePassing):
             if not isinstance(c, int) or isinstance(c, bool) or (c < 1 and c != -1):
                 raise ValueError(f"{name} must be a positive integer or -1 (lazy), got {c!r}")
 
-        # Feature → quaternion maps (one per side for bipartite graphs, as in
-        # GATConv's lin_src/lin_dst).
-        self.lin_quat = self.lin_quat_src = self.lin_quat_dst = None
-        if self.quat_source != "given":
-            if isinstance(in_channels, int):
-                self.lin_quat = Linear(in_channels, heads * 4, bias=True,
-                                       weight_initializer="glorot")
-            else:
-                self.lin_quat_src = Linear(in_src, heads * 4, bias=True,
-                                           weight_initializer="glorot")
-                self.lin_quat_dst = Linear(in_dst, heads * 4, bias=True,
-                                           weight_initializer="glorot")
+        self._make_quat_maps(in_channels)
 
         log_beta = torch.full((heads, ), math.log(beta_init))
         if learn_beta:
@@ -439,29 +427,20 @@ class QSVConv(NodeQuaternions, MessagePassing):
         return num_targets(x_src, x_dst, quat, edge_index, size)
 
     # ------------------------------------------------------------ scatter path
-    def _logits(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
-                pos_j: OptTensor, shape: Tuple[int, ...]) -> Tensor:
-        """Routing logits of shape ``shape + (heads,)`` from gathered pairs."""
-        if self.routing == "uniform":
-            # Equal logits: the softmax gives exactly 1 / deg.
-            ref = q_j if q_j is not None else pos_j
-            assert ref is not None
-            return ref.new_zeros(shape + (self.heads, ))
-        beta = self.beta
-        if self.routing == "geometric":
-            assert pos_i is not None and pos_j is not None
-            dist2 = (pos_i - pos_j).pow(2).sum(dim=-1, keepdim=True)
-            return -dist2 * beta
-        assert q_i is not None and q_j is not None
-        re_r = (q_i * q_j).sum(dim=-1)  # Re(q_i* q_j) = <q_i, q_j>
-        if self.routing == "abs":
-            re_r = re_r.abs()
-        return re_r * beta
-
     def edge_update(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
                     pos_j: OptTensor, index: Tensor, ptr: OptTensor,
                     dim_size: Optional[int]) -> Tensor:
-        logits = self._logits(q_i, q_j, pos_i, pos_j, (index.numel(), ))
+        if self.routing == "uniform":  # equal logits: the softmax gives 1 / deg
+            ref = q_j if q_j is not None else pos_j
+            assert ref is not None
+            logits = ref.new_zeros(index.numel(), self.heads)
+        elif self.routing == "geometric":
+            assert pos_i is not None and pos_j is not None
+            logits = -(pos_i - pos_j).pow(2).sum(dim=-1, keepdim=True) * self.beta
+        else:
+            assert q_i is not None and q_j is not None
+            re_r = (q_i * q_j).sum(dim=-1)  # Re(q_i* q_j) = <q_i, q_j>
+            logits = (re_r.abs() if self.routing == "abs" else re_r) * self.beta
         if index.numel() == 0:
             return logits
         alpha = softmax(logits, index, ptr, dim_size)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torch_geometric import is_compiling
+from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.typing import OptTensor
 
 from ..quaternion import hamilton_product
@@ -23,6 +24,21 @@ QUAT_SOURCES = ("auto", "features", "given", "composed")
 class NodeQuaternions:
     """Mixin of :class:`QSVConv` (uses ``heads``, ``quat_source``,
     ``check_finite`` and the ``lin_quat*`` maps)."""
+
+    def _make_quat_maps(self, in_channels) -> None:
+        """Feature -> quaternion maps (one per side for bipartite graphs, as in
+        GATConv's ``lin_src``/``lin_dst``); none for ``quat_source="given"``."""
+        self.lin_quat = self.lin_quat_src = self.lin_quat_dst = None
+        if self.quat_source == "given":
+            return
+        out = self.heads * 4
+        if isinstance(in_channels, int):
+            self.lin_quat = Linear(in_channels, out, bias=True, weight_initializer="glorot")
+        else:
+            self.lin_quat_src = Linear(in_channels[0], out, bias=True,
+                                       weight_initializer="glorot")
+            self.lin_quat_dst = Linear(in_channels[1], out, bias=True,
+                                       weight_initializer="glorot")
 
     def _feature_quat(self, x: Tensor, side: str) -> Tensor:
         lin = self.lin_quat
