@@ -112,3 +112,31 @@ def test_eval_marks_are_logged_and_not_charged_to_the_budget(data_dir, tmp_path,
     assert [e["minutes"] for e in ckpt["budget_evals"]] == [0.25, 0.5]
     lrs = {g["name"]: g["lr"] for g in ckpt["optimizer"]["param_groups"]}
     assert lrs["sphere"] == pytest.approx(2 * lrs["decay"])
+
+
+def test_budget_count_and_marks_continue_across_a_resume(data_dir, tmp_path, monkeypatch):
+    fake = {"cpu": 0.0}
+
+    def cpu_clock():
+        fake["cpu"] += 3.0
+        return fake["cpu"]
+
+    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    out = tmp_path / "run"
+    common = ["--data-dir", str(data_dir), "--device", "cpu", "--no-progress"]
+    assert main([*TINY_QSV, *common, "--out-dir", str(out), "--epochs", "50", "--batch-size",
+                 "8", "--time-budget", "1", "--budget-clock", "process",
+                 "--eval-at-minutes", "0.5", "1.5"]) == 0
+    first = json.loads((out / "metrics.json").read_text())
+    assert [e["minutes"] for e in first["budget_evals"]] == [0.5]
+    assert 60.0 <= first["budget_used_s"] <= 70.0
+    # A new process: its CPU clock starts again at zero, the run's count does not.
+    fake["cpu"] = 0.0
+    assert main(["--resume", "--out-dir", str(out), "--time-budget", "1", *common[:2]]) == 0
+    second = json.loads((out / "metrics.json").read_text())
+    assert [e["minutes"] for e in second["budget_evals"]] == [0.5, 1.5]
+    assert 120.0 <= second["budget_used_s"] <= 135.0
+    assert second["budget_eval_seconds"] == pytest.approx(6.0)
+    from qsv_pyg.experiments.runner import _used_minutes
+    # The runner resumes with what the checkpoint counted (saved a clock read earlier).
+    assert abs(_used_minutes(out / "checkpoint.pt") - second["budget_used_s"] / 60) <= 0.1

@@ -459,8 +459,12 @@ def _decide(spec: RunSpec) -> Tuple[str, List[str]]:
 
 
 def _used_minutes(checkpoint: Path) -> float:
-    """Training time recorded in a checkpoint (finished epochs plus the partial one)."""
+    """Budget used by a run so far: its budget clock's count when the checkpoint has
+    one (process CPU time for ``--budget-clock process``), else the training time of
+    its finished epochs plus the partial one."""
     state = load_checkpoint(checkpoint, map_location="cpu")
+    if "budget_used_s" in state:  # measured on the run's own budget clock
+        return float(state["budget_used_s"]) / 60.0
     used = float(state.get("total_seconds") or 0.0)
     partial = state.get("partial") or []
     if partial:

@@ -298,8 +298,11 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
     total_seconds, last_eval = 0.0, None
     # Test evaluations at marks of the budget clock (--eval-at-minutes); their cost
     # is added to the deadline, so they do not take training time from the run.
+    # The marks count the budget used by the whole run, across resumes.
     budget_evals: List[Dict[str, Any]] = []
-    eval_charge = 0.0
+    budget_offset = 0.0  # budget-clock seconds of training before this process
+    eval_seconds_before = 0.0  # mark evaluations before this process
+    eval_charge = 0.0  # mark evaluations of this process
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -309,7 +312,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         best = dict(ckpt["best"])
         total_seconds, last_eval = float(ckpt["total_seconds"]), ckpt["last_eval"]
         budget_evals = list(ckpt.get("budget_evals", []))
-        eval_charge = float(ckpt.get("eval_charge", 0.0))
+        budget_offset = float(ckpt.get("budget_used_s", 0.0))
+        eval_seconds_before = float(ckpt.get("budget_eval_seconds", 0.0))
         restore_rng_state(ckpt["rng"][rank])
         say(f"resumed from {resume_from}: " + (
             f"epoch {start_epoch + 1}, batch {start_batch}/{steps_per_epoch}"
@@ -356,23 +360,27 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
                 "partial": partial_all, "rng": rng_all, "world_size": world_size,
                 "best": dict(best), "total_seconds": total_seconds, "last_eval": last_eval,
                 "steps_per_epoch": steps_per_epoch, "optimizer_backend": backend,
-                "budget_evals": list(budget_evals), "eval_charge": eval_charge})
+                "budget_evals": list(budget_evals), "budget_used_s": budget_used(),
+                "budget_eval_seconds": eval_seconds_before + eval_charge})
 
     # ---------------------------------------------------------------- 9. the loop
     # The budget's clock: wall time, or this process's CPU time (equal compute
     # per run when other work shares the machine).
     budget_clock = _process_clock if cfg.budget_clock == "process" else _clock
     budget_origin = t_start if budget_clock is _clock else 0.0
-    deadline = (budget_origin + 60.0 * cfg.time_budget + eval_charge
-                if cfg.time_budget else None)
+    deadline = budget_origin + 60.0 * cfg.time_budget if cfg.time_budget else None
+    done = {e["minutes"] for e in budget_evals}
     marks = [m for m in cfg.eval_at_minutes
-             if m < (cfg.time_budget or 0) and m not in {e["minutes"] for e in budget_evals}]
+             if 60.0 * m < budget_offset + 60.0 * (cfg.time_budget or 0) and m not in done]
+
+    def budget_used() -> float:
+        """Budget-clock seconds of training of the whole run (mark evaluations excluded)."""
+        return budget_offset + budget_clock() - budget_origin - eval_charge
 
     def evaluate_at_mark() -> None:
         """Evaluate if the budget clock passed the next mark (every rank agrees)."""
         nonlocal deadline, eval_charge
-        used = budget_clock() - budget_origin - eval_charge
-        due = 1 if marks and used >= 60.0 * marks[0] else 0
+        due = 1 if marks and budget_used() >= 60.0 * marks[0] else 0
         if dist_info.enabled:
             due = int(all_reduce_max(torch.tensor([due], device=device)).item())
         if not due:
@@ -550,7 +558,8 @@ def _train(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistI
         "amp": {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype],
         "compile": cfg.compile, "train_images": len(train_set), "test_images": len(test_set),
         "betas": _betas(raw_model), "torch": torch.__version__,
-        "budget_evals": budget_evals, "budget_eval_seconds": eval_charge,
+        "budget_evals": budget_evals, "budget_used_s": budget_used(),
+        "budget_eval_seconds": eval_seconds_before + eval_charge,
         "wall_seconds_this_process": _clock() - t_start,
     }
     if is_main:
