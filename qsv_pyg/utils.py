@@ -1,7 +1,14 @@
-"""Small helpers shared by the training CLI, the analysis CLI and the benchmarks."""
+"""Small helpers shared across the package, the CLIs and the benchmarks."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def is_positive_int(value: Any) -> bool:
+    """True for an ``int`` (not a ``bool``) greater than zero."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -8,6 +8,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
+from ..data import NUM_CLASSES
 from ..models import build_model
 from ..training.checkpoint import load_checkpoint
 from ..training.config import TrainConfig
@@ -43,8 +44,7 @@ def load_model(path: "str | os.PathLike[str]", device: "str | torch.device" = "c
         raise ValueError(f"{file} is not a training checkpoint (missing {missing})")
     try:
         cfg = TrainConfig.from_dict(state["config"])
-        num_classes = {"cifar10": 10, "cifar100": 100}[cfg.dataset]
-        model = build_model(cfg.model, num_classes, **cfg.model_overrides())
+        model = build_model(cfg.model, NUM_CLASSES[cfg.dataset], **cfg.model_overrides())
         model.load_state_dict(state["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"{file}: cannot rebuild the model from the checkpoint "

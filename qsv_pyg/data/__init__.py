@@ -14,7 +14,14 @@ from .augment import (
     normalize,
     random_crop_flip,
 )
-from .cifar import CIFAR_NAMES, DATA_DIR_ENV, download_cifar, load_cifar, resolve_data_dir
+from .cifar import (
+    CIFAR_NAMES,
+    DATA_DIR_ENV,
+    NUM_CLASSES,
+    download_cifar,
+    load_cifar,
+    resolve_data_dir,
+)
 from .dataset import DataError, ImageDataset
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "DataError",
     "DeviceLoader",
     "ImageDataset",
+    "NUM_CLASSES",
     "batches",
     "derive_seed",
     "download_cifar",

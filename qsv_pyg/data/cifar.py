@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from .pickles import read_pickle
 __all__ = [
     "CIFAR_NAMES",
     "DATA_DIR_ENV",
+    "NUM_CLASSES",
     "download_cifar",
     "load_cifar",
     "resolve_data_dir",
@@ -52,11 +54,11 @@ logger = logging.getLogger(__name__)
 #: Environment variable consulted by :func:`resolve_data_dir` when no directory is given.
 DATA_DIR_ENV = "QSV_DATA_DIR"
 
-#: Dataset names accepted by :func:`load_cifar` and :func:`download_cifar`.
-CIFAR_NAMES = ("cifar10", "cifar100")
-
 _SPLITS = ("train", "test")
 _PIXELS = 3 * 32 * 32  # one row of b"data": channel-major RGB 32x32
+# Both variants: 50000 training and 10000 test images, archives on the same page.
+_OFFICIAL_SIZES = {"train": 50000, "test": 10000}
+_URL_BASE = "https://www.cs.toronto.edu/~kriz/"
 
 
 @dataclass(frozen=True)
@@ -67,49 +69,44 @@ class _CifarSpec:
     display: str
     folder: str
     archive: str
-    url: str
     md5: str
     files: dict[str, tuple[str, ...]]
     meta_file: str
     label_key: bytes
     names_key: bytes
     num_classes: int
-    official_sizes: dict[str, int]
+
+    @property
+    def url(self) -> str:
+        return _URL_BASE + self.archive
+
+    @property
+    def official_sizes(self) -> dict[str, int]:
+        return _OFFICIAL_SIZES
 
 
 _SPECS = {
     "cifar10": _CifarSpec(
-        name="cifar10",
-        display="CIFAR-10",
-        folder="cifar-10-batches-py",
-        archive="cifar-10-python.tar.gz",
-        url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
-        md5="c58f30108f718f92721af3b95e74349a",
-        files={
-            "train": tuple(f"data_batch_{i}" for i in range(1, 6)),
-            "test": ("test_batch",),
-        },
-        meta_file="batches.meta",
-        label_key=b"labels",
-        names_key=b"label_names",
+        name="cifar10", display="CIFAR-10", folder="cifar-10-batches-py",
+        archive="cifar-10-python.tar.gz", md5="c58f30108f718f92721af3b95e74349a",
+        files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
+        meta_file="batches.meta", label_key=b"labels", names_key=b"label_names",
         num_classes=10,
-        official_sizes={"train": 50000, "test": 10000},
     ),
     "cifar100": _CifarSpec(
-        name="cifar100",
-        display="CIFAR-100",
-        folder="cifar-100-python",
-        archive="cifar-100-python.tar.gz",
-        url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
-        md5="eb9058c3a382ffc7106e4002c42a8d85",
+        name="cifar100", display="CIFAR-100", folder="cifar-100-python",
+        archive="cifar-100-python.tar.gz", md5="eb9058c3a382ffc7106e4002c42a8d85",
         files={"train": ("train",), "test": ("test",)},
-        meta_file="meta",
-        label_key=b"fine_labels",
-        names_key=b"fine_label_names",
+        meta_file="meta", label_key=b"fine_labels", names_key=b"fine_label_names",
         num_classes=100,
-        official_sizes={"train": 50000, "test": 10000},
     ),
 }
+
+#: Dataset names accepted by :func:`load_cifar` and :func:`download_cifar`.
+CIFAR_NAMES = tuple(_SPECS)
+
+#: Number of classes of each dataset in :data:`CIFAR_NAMES` (read-only mapping).
+NUM_CLASSES = MappingProxyType({name: spec.num_classes for name, spec in _SPECS.items()})
 
 
 # --------------------------------------------------------------------------- paths

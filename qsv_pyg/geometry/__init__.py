@@ -1,6 +1,7 @@
 """Node geometry of the quaternion graph models: Fibonacci shells, flat
 lattices, equal-area sphere/square maps and deterministic kNN graphs."""
 from qsv_pyg.geometry.frames import frame_quaternions, local_frames, matrix_to_quaternion
+from qsv_pyg.geometry import lambert
 from qsv_pyg.geometry.hierarchy import Hierarchy
 from qsv_pyg.geometry.knn import dense_neighbors, knn_cross, knn_within
 from qsv_pyg.geometry.lambert import (
@@ -31,12 +32,7 @@ __all__ = [
     "knn_within",
     "knn_cross",
     "dense_neighbors",
-    "sphere_to_disk",
-    "disk_to_sphere",
-    "square_to_disk",
-    "disk_to_square",
-    "sphere_to_square",
-    "square_to_sphere",
+    *lambert.__all__,
     "matrix_to_quaternion",
     "local_frames",
     "frame_quaternions",

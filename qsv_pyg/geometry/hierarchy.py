@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 from torch_geometric.data import HeteroData
 
+from qsv_pyg.utils import is_positive_int
+
 __all__ = ["Hierarchy"]
 
 KINDS = ("shells", "lattice")
@@ -156,10 +158,26 @@ class Hierarchy:
         )
 
 
+def _check_level_sizes(owner: str, name: str, values: Tuple[int, ...], unit: str = "level") -> None:
+    """Raise a ValueError unless :obj:`values` (one entry per level, outer first) is
+    non-empty and holds positive ints that never grow inwards."""
+    if len(values) == 0:
+        raise ValueError(f"{owner}: at least one {unit} is required")
+    for s, n in enumerate(values):
+        if not is_positive_int(n):
+            raise ValueError(f"{owner}: {name}[{s}] must be a positive int, got {n!r}")
+    for s in range(1, len(values)):
+        if values[s] > values[s - 1]:
+            raise ValueError(
+                f"{owner}: {name} must be non-increasing from outer to inner, "
+                f"got {name}[{s - 1}]={values[s - 1]} < {name}[{s}]={values[s]}"
+            )
+
+
 def _check_level_k(sizes: Sequence[int], k_cross: int, k_inner: int) -> None:
     """Raise a ValueError naming the first level too small for the requested k."""
     for name, k in (("k_cross", k_cross), ("k_inner", k_inner)):
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        if not is_positive_int(k):
             raise ValueError(f"{name} must be a positive int, got {k!r}")
     for s in range(len(sizes) - 1):
         if k_cross > sizes[s]:

@@ -8,8 +8,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from qsv_pyg.geometry.hierarchy import Hierarchy, _check_level_k
+from qsv_pyg.geometry.hierarchy import Hierarchy, _check_level_k, _check_level_sizes
 from qsv_pyg.geometry.knn import knn_cross, knn_within
+from qsv_pyg.utils import is_positive_int
 
 __all__ = ["LatticeSpec", "lattice_grid", "build_lattice_hierarchy"]
 
@@ -33,19 +34,8 @@ class LatticeSpec:
     sides: Tuple[int, ...] = (16, 12, 8, 6, 4)
 
     def __post_init__(self) -> None:
-        sides = tuple(self.sides)
-        object.__setattr__(self, "sides", sides)
-        if len(sides) == 0:
-            raise ValueError("LatticeSpec: at least one level is required")
-        for s, n in enumerate(sides):
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ValueError(f"LatticeSpec: sides[{s}] must be a positive int, got {n!r}")
-        for s in range(1, len(sides)):
-            if sides[s] > sides[s - 1]:
-                raise ValueError(
-                    f"LatticeSpec: sides must be non-increasing from outer to inner, "
-                    f"got sides[{s - 1}]={sides[s - 1]} < sides[{s}]={sides[s]}"
-                )
+        object.__setattr__(self, "sides", tuple(self.sides))
+        _check_level_sizes("LatticeSpec", "sides", self.sides)
 
     @property
     def num_levels(self) -> int:
@@ -87,7 +77,7 @@ def lattice_grid(
     Returns:
         Tensor: Positions of shape :obj:`[side * side, 2]`.
     """
-    if isinstance(side, bool) or not isinstance(side, int) or side <= 0:
+    if not is_positive_int(side):
         raise ValueError(f"lattice_grid: side must be a positive int, got {side!r}")
     dtype = dtype or torch.get_default_dtype()
     return (_grid_numerators(side).to(torch.float64) / side).to(dtype=dtype, device=device)

@@ -8,9 +8,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from qsv_pyg.geometry.hierarchy import Hierarchy, _check_level_k
+from qsv_pyg.geometry.hierarchy import Hierarchy, _check_level_k, _check_level_sizes
 from qsv_pyg.geometry.knn import knn_cross, knn_within
 from qsv_pyg.geometry.lambert import sphere_to_square
+from qsv_pyg.utils import is_positive_int
 
 # pi * (3 - sqrt(5)): successive points turn by this azimuth, which never lines up
 # with earlier ones and so spreads the points evenly in longitude.
@@ -43,7 +44,7 @@ def fibonacci_sphere(
     Raises:
         ValueError: If :obj:`n <= 0` or :obj:`radius <= 0`.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if not is_positive_int(n):
         raise ValueError(f"fibonacci_sphere: n must be a positive int, got {n!r}")
     if not (radius > 0 and math.isfinite(radius)):
         raise ValueError(f"fibonacci_sphere: radius must be positive and finite, got {radius!r}")
@@ -88,25 +89,16 @@ class ShellSpec:
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "radii", radii)
 
-        if len(sizes) == 0:
-            raise ValueError("ShellSpec: at least one shell is required")
+        _check_level_sizes("ShellSpec", "sizes", sizes, unit="shell")
         if len(sizes) != len(radii):
             raise ValueError(
                 f"ShellSpec: sizes and radii must have the same length, "
                 f"got {len(sizes)} sizes and {len(radii)} radii"
             )
-        for s, n in enumerate(sizes):
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ValueError(f"ShellSpec: sizes[{s}] must be a positive int, got {n!r}")
         for s, r in enumerate(radii):
             if not (r > 0 and math.isfinite(r)):
                 raise ValueError(f"ShellSpec: radii[{s}] must be positive and finite, got {r!r}")
-        for s in range(1, len(sizes)):
-            if sizes[s] > sizes[s - 1]:
-                raise ValueError(
-                    f"ShellSpec: sizes must be non-increasing from outer to inner, "
-                    f"got sizes[{s - 1}]={sizes[s - 1]} < sizes[{s}]={sizes[s]}"
-                )
+        for s in range(1, len(radii)):
             if radii[s] >= radii[s - 1]:
                 raise ValueError(
                     f"ShellSpec: radii must be strictly decreasing from outer to inner, "

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..quaternion import normalize, random_unit_quaternion
+from ..utils import is_positive_int
 
 FIELD_INITS = ("uniform", "identity")
 
@@ -70,9 +71,9 @@ class QuaternionField(nn.Module):
         seed: Optional[int] = None,
     ):
         super().__init__()
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        if not is_positive_int(num_nodes):
             raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        if not is_positive_int(heads):
             raise ValueError(f"heads must be a positive int, got {heads!r}")
         if init not in FIELD_INITS:
             raise ValueError(f"init={init!r} is not supported; choose one of {FIELD_INITS}")

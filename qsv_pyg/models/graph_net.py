@@ -31,6 +31,7 @@ from ..geometry import (
     knn_within,
 )
 from ..nn import QSVConv
+from ..utils import is_positive_int
 from .base import ImageClassifier, format_count
 from .blocks import CONV_KINDS, CrossBlock, WithinBlock
 from .embedding import LambertPatchEmbedding
@@ -154,35 +155,11 @@ class GraphNet(ImageClassifier):
         repulsion_k: Optional[int] = None,
         repulsion_weight: Optional[float] = None,
     ):
+        given = {name: value for name, value in locals().items() if name in QSV_DEFAULTS}
         super().__init__()
-        if conv not in CONV_KINDS:
-            raise ValueError(f"conv={conv!r} is not supported; choose one of {CONV_KINDS}")
-        given = dict(routing=routing, transport=transport, quat_source=quat_source,
-                     frozen_field=frozen_field, field_init=field_init,
-                     field_per_head=field_per_head, beta_init=beta_init,
-                     learn_beta=learn_beta, beta_prior=beta_prior,
-                     beta_prior_weight=beta_prior_weight, repulsion_k=repulsion_k,
-                     repulsion_weight=repulsion_weight)
-        if conv != "qsv":
-            extra = sorted(k for k, v in given.items() if v is not None)
-            if extra:
-                raise ValueError(f"{extra} only apply to conv='qsv', not conv={conv!r}")
-        opts = {k: (QSV_DEFAULTS[k] if v is None else v) for k, v in given.items()}
-        if opts["quat_source"] not in QUAT_SOURCES:
-            raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
-                             f"choose one of {tuple(QUAT_SOURCES)}")
-
+        opts = self._resolve_qsv_options(conv, given)
         hierarchy = self._resolve_hierarchy(hierarchy, geometry, spec, k_cross, k_inner)
-        L = hierarchy.num_levels
-        widths = tuple(int(w) for w in widths)
-        if len(widths) != L:
-            raise ValueError(f"widths has {len(widths)} entries but the hierarchy has "
-                             f"{L} levels")
-        multiple = 4 * heads if conv == "qsv" else heads
-        bad = [w for w in widths if w <= 0 or w % multiple]
-        if bad:
-            raise ValueError(f"widths {bad} are not positive multiples of {multiple} "
-                             f"({'4 * heads' if conv == 'qsv' else 'heads'}, heads={heads})")
+        widths = self._check_widths(widths, hierarchy.num_levels, conv, heads)
         if isinstance(within_rounds, bool) or not isinstance(within_rounds, int) \
                 or within_rounds < 0:
             raise ValueError(f"within_rounds must be a non-negative int, got {within_rounds!r}")
@@ -208,33 +185,12 @@ class GraphNet(ImageClassifier):
         self.level_embed = nn.ParameterList(
             [nn.Parameter(torch.randn(n, w) * 0.02) for n, w in zip(self.sizes[1:], widths[1:])])
 
-        qsv_kwargs: Dict[str, object] = {}
         self.fields: Optional[nn.ModuleList] = None
         self.routing_pos = False
-        if self.is_qsv:
-            qsv_kwargs = dict(routing=opts["routing"], transport=opts["transport"],
-                              quat_source=QUAT_SOURCES[opts["quat_source"]],
-                              beta_init=opts["beta_init"], learn_beta=opts["learn_beta"],
-                              check_finite=check_finite)
-            if opts["quat_source"] != "features":
-                self.fields = nn.ModuleList(
-                    [QuaternionField(n, heads if opts["field_per_head"] else 1,
-                                     frozen=opts["frozen_field"], init=opts["field_init"])
-                     for n in self.sizes])
-            if opts["routing"] == "geometric":
-                # Unit directions on shells (shells of different radii are compared
-                # by angle), raw coordinates on the flat lattice.
-                self.routing_pos = True
-                for s, p in enumerate(hierarchy.pos):
-                    p = p.detach().clone().float()
-                    if self.geometry == "shells":
-                        p = p / p.norm(dim=-1, keepdim=True)
-                    self.register_buffer(f"pos_{s}", p)
-            self._setup_regularisers(hierarchy)
-
+        qsv_kwargs = self._setup_qsv(hierarchy, check_finite) if self.is_qsv else {}
         self.cross = nn.ModuleList([
             CrossBlock(conv, widths[s], widths[s + 1], heads, mlp_ratio, **qsv_kwargs)
-            for s in range(L - 1)])
+            for s in range(hierarchy.num_levels - 1)])
         self.within = nn.ModuleList([
             WithinBlock(conv, widths[-1], heads, mlp_ratio, **qsv_kwargs)
             for _ in range(within_rounds)])
@@ -264,6 +220,61 @@ class GraphNet(ImageClassifier):
             raise ValueError(f"geometry='lattice' needs a LatticeSpec, got {type(spec).__name__}")
         return build_lattice_hierarchy(spec, k_cross=k_cross, k_inner=k_inner)
 
+    @staticmethod
+    def _resolve_qsv_options(conv: str, given: Dict[str, object]) -> Dict[str, object]:
+        """Fill the QSV-only arguments left at ``None`` with :data:`QSV_DEFAULTS`;
+        a control given any of them is an error."""
+        if conv not in CONV_KINDS:
+            raise ValueError(f"conv={conv!r} is not supported; choose one of {CONV_KINDS}")
+        if conv != "qsv":
+            extra = sorted(k for k, v in given.items() if v is not None)
+            if extra:
+                raise ValueError(f"{extra} only apply to conv='qsv', not conv={conv!r}")
+        opts = {k: (default if given[k] is None else given[k])
+                for k, default in QSV_DEFAULTS.items()}
+        if opts["quat_source"] not in QUAT_SOURCES:
+            raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
+                             f"choose one of {tuple(QUAT_SOURCES)}")
+        return opts
+
+    @staticmethod
+    def _check_widths(widths: Sequence[int], num_levels: int, conv: str,
+                      heads: int) -> tuple:
+        widths = tuple(int(w) for w in widths)
+        if len(widths) != num_levels:
+            raise ValueError(f"widths has {len(widths)} entries but the hierarchy has "
+                             f"{num_levels} levels")
+        multiple = 4 * heads if conv == "qsv" else heads
+        bad = [w for w in widths if w <= 0 or w % multiple]
+        if bad:
+            raise ValueError(f"widths {bad} are not positive multiples of {multiple} "
+                             f"({'4 * heads' if conv == 'qsv' else 'heads'}, heads={heads})")
+        return widths
+
+    def _setup_qsv(self, hierarchy: Hierarchy, check_finite: bool) -> Dict[str, object]:
+        """Build the quaternion fields, the routing positions and the regularisers;
+        return the QSVConv arguments every block gets."""
+        opts = self.qsv_options
+        if opts["quat_source"] != "features":
+            self.fields = nn.ModuleList(
+                [QuaternionField(n, self.heads if opts["field_per_head"] else 1,
+                                 frozen=opts["frozen_field"], init=opts["field_init"])
+                 for n in self.sizes])
+        if opts["routing"] == "geometric":
+            # Unit directions on shells (shells of different radii are compared
+            # by angle), raw coordinates on the flat lattice.
+            self.routing_pos = True
+            for s, p in enumerate(hierarchy.pos):
+                p = p.detach().clone().float()
+                if self.geometry == "shells":
+                    p = p / p.norm(dim=-1, keepdim=True)
+                self.register_buffer(f"pos_{s}", p)
+        self._setup_regularisers(hierarchy)
+        return dict(routing=opts["routing"], transport=opts["transport"],
+                    quat_source=QUAT_SOURCES[opts["quat_source"]],
+                    beta_init=opts["beta_init"], learn_beta=opts["learn_beta"],
+                    check_finite=check_finite)
+
     def _setup_regularisers(self, hierarchy: Hierarchy) -> None:
         opts = self.qsv_options
         for name in ("beta_prior_weight", "repulsion_weight"):
@@ -278,8 +289,7 @@ class GraphNet(ImageClassifier):
         self.repulsion_levels: List[int] = []
         if self.fields is None or opts["frozen_field"] or opts["repulsion_weight"] == 0:
             return
-        if isinstance(opts["repulsion_k"], bool) or not isinstance(opts["repulsion_k"], int) \
-                or opts["repulsion_k"] < 1:
+        if not is_positive_int(opts["repulsion_k"]):
             raise ValueError(f"repulsion_k must be a positive int, got {opts['repulsion_k']!r}")
         for s, p in enumerate(hierarchy.pos):
             k = min(opts["repulsion_k"], p.size(0) - 1)  # small levels: all other nodes
