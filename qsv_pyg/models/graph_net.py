@@ -30,6 +30,7 @@ from ..geometry import (
     dense_neighbors,
     knn_within,
 )
+from ..geometry.hierarchy import KINDS as HIERARCHY_KINDS
 from ..nn import QSVConv
 from ..utils import is_positive_int
 from .base import ImageClassifier, format_count
@@ -37,8 +38,12 @@ from .blocks import CONV_KINDS, CrossBlock, WithinBlock
 from .embedding import LambertPatchEmbedding
 from .field import QuaternionField
 
-GEOMETRIES = ("shells", "lattice")
-QUAT_SOURCES = {"field": "given", "features": "features", "both": "composed"}
+#: Values of ``geometry``: the kinds of :class:`~qsv_pyg.geometry.Hierarchy`.
+GEOMETRIES = HIERARCHY_KINDS
+#: Values of ``quat_source`` (and ``--quat-source``), each with the QSVConv
+#: ``quat_source`` it selects.
+QUAT_SOURCE_TO_CONV = {"field": "given", "features": "features", "both": "composed"}
+QUAT_SOURCES = tuple(QUAT_SOURCE_TO_CONV)
 
 #: The paper's model: 16 heads per shell, one quaternion per node and head. At
 #: width 64 each head reads one 4-channel block; the widths give ≈0.57M parameters.
@@ -234,7 +239,7 @@ class GraphNet(ImageClassifier):
                 for k, default in QSV_DEFAULTS.items()}
         if opts["quat_source"] not in QUAT_SOURCES:
             raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
-                             f"choose one of {tuple(QUAT_SOURCES)}")
+                             f"choose one of {QUAT_SOURCES}")
         return opts
 
     @staticmethod
@@ -271,7 +276,7 @@ class GraphNet(ImageClassifier):
                 self.register_buffer(f"pos_{s}", p)
         self._setup_regularisers(hierarchy)
         return dict(routing=opts["routing"], transport=opts["transport"],
-                    quat_source=QUAT_SOURCES[opts["quat_source"]],
+                    quat_source=QUAT_SOURCE_TO_CONV[opts["quat_source"]],
                     beta_init=opts["beta_init"], learn_beta=opts["learn_beta"],
                     check_finite=check_finite)
 
