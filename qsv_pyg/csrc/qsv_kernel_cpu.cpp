@@ -192,6 +192,9 @@ struct Needs {
   bool v, q, k;
 };
 
+// Longer than the usual 80 lines on purpose: the two passes share one argument
+// list and pass B reads what pass A wrote (gy, gd); split, both halves would
+// take the same twenty pointers.
 template <typename T>
 void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
                    const T* v, const T* qs, const T* qd, const T* ks, const T* kd,

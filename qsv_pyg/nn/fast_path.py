@@ -38,10 +38,12 @@ def routing_keys(conv, q_src: Tensor, q_dst: OptTensor, pos: Tuple[OptTensor, Op
 
 
 def attend(conv, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
-           pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int
-           ) -> Tuple[Tensor, Tensor, int]:
+           pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int,
+           want_alpha: bool = True) -> Tuple[Tensor, Tensor, int]:
     """Aggregate by the registered operator; returns ``(z_h [H, M, C], alpha,
-    b)``, rows node-major ``(n, b)`` when ``b > 0`` (``QSVConv._project``)."""
+    b)``, rows node-major ``(n, b)`` when ``b > 0`` (``QSVConv._project``).
+    ``alpha`` is in the order of ``edge_index`` when ``want_alpha``, else in
+    the graph's target-sorted order (not reordered: nobody reads it)."""
     H = conv.heads
     C = x.size(-1) // H
     if type(edge_index) is not Tensor:  # EdgeIndex (its storage is its `_data`)
@@ -64,14 +66,16 @@ def attend(conv, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
         z, alpha = qsv_attend(v, flat(q_src) if rotate else None,
                               flat(q_dst) if rotate else None, flat(k_src), flat(k_dst),
                               conv.beta, graph, use_abs)
-        alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+        if want_alpha:
+            alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
         return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
     graph = graph_csr(edge_index, n_src, num_dst)
     # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
     v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(n_src, H, B * C // 4, 4)
     z, alpha = qsv_attend(v, q_src if rotate else None, q_dst if rotate else None,
                           k_src, k_dst, conv.beta, graph, use_abs)
-    alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+    if want_alpha:
+        alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
     z_h = z.view(num_dst, H, B * C).transpose(0, 1).reshape(H, num_dst * B, C)
     if x.dim() == 3:
         return z_h, alpha.expand(B, -1, -1), B

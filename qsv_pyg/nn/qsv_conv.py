@@ -359,7 +359,7 @@ class QSVConv(NodeQuaternions, MessagePassing):
             z_h, b = z.movedim(-2, 0).reshape(H, -1, C), 0
         else:
             z_h, alpha, b = attend(self, path, x_pad, q_src, q_dst, pos_pair, edge_index,
-                                   num_dst)
+                                   num_dst, bool(return_attention_weights))
         out = self._project(z_h, b, (*x_src.shape[:-2], num_dst))
         if self.lin_skip is not None and x_dst is not None:
             out = out + self.lin_skip(x_dst)
