@@ -1,9 +1,23 @@
 """Small helpers shared across the package, the CLIs and the benchmarks."""
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
+
+
+def import_geoopt() -> Optional[ModuleType]:
+    """The geoopt module, or ``None`` when it cannot be imported.
+
+    Callers import it when they need it (not when their module is imported), so a
+    test can make the import fail and exercise the plain-parameter path.
+    """
+    try:
+        return importlib.import_module("geoopt")
+    except ImportError:
+        return None
 
 
 def is_positive_int(value: Any) -> bool:

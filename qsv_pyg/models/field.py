@@ -9,29 +9,15 @@ optimised on the sphere: with geoopt it is a ``ManifoldParameter`` on
 """
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from ..quaternion import normalize, random_unit_quaternion
-from ..utils import is_positive_int
+from ..utils import import_geoopt, is_positive_int
 
 FIELD_INITS = ("uniform", "identity")
-
-
-def _import_geoopt() -> Optional[ModuleType]:
-    """The geoopt module, or ``None`` when it cannot be imported.
-
-    Imported when a field is built (not when this module is imported), so a test
-    can make the import fail and exercise the plain-parameter backend.
-    """
-    try:
-        return importlib.import_module("geoopt")
-    except ImportError:
-        return None
 
 
 class QuaternionField(nn.Module):
@@ -96,7 +82,7 @@ class QuaternionField(nn.Module):
         if frozen:
             self.register_buffer("quaternions", data)
             return
-        geoopt = _import_geoopt()
+        geoopt = import_geoopt()
         if geoopt is not None:
             self.quaternions = geoopt.ManifoldParameter(data, manifold=geoopt.Sphere())
         else:
