@@ -160,6 +160,8 @@ class GraphNet(ImageClassifier):
         repulsion_k: Optional[int] = None,
         repulsion_weight: Optional[float] = None,
     ):
+        # The QSV-only arguments, by the names QSV_DEFAULTS lists (taken before any
+        # other local exists, so only parameters can match).
         given = {name: value for name, value in locals().items() if name in QSV_DEFAULTS}
         super().__init__()
         opts = self._resolve_qsv_options(conv, given)
