@@ -26,6 +26,7 @@ from torch_geometric.nn import TransformerConv, global_mean_pool  # noqa: E402
 from torch_geometric.nn.models import GAT  # noqa: E402
 from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
 
+from qsv_pyg.nn import unit_quaternion  # noqa: E402
 from qsv_pyg.nn.models import QSV  # noqa: E402
 
 
@@ -123,6 +124,24 @@ def train_graphs(model: torch.nn.Module, train_loader, test_loaders: Dict[str, o
     return result
 
 
+def rotation_angle(model: QSV, x: torch.Tensor, edge_index: torch.Tensor,
+                   quat: Optional[torch.Tensor] = None) -> float:
+    """Mean angle in degrees, over the edges and heads, of the relative rotations
+    :math:`r_{ij} = q_i^* q_j` of ``model``'s first layer: ``2 acos |Re r|``."""
+    conv = model.convs[0]
+    with torch.no_grad():
+        if model.quat_field is not None:
+            q = model.quat_field
+        elif quat is not None:
+            q = quat.view(quat.size(0), -1, 4)
+        else:
+            q = conv.lin_quat(x).view(x.size(0), conv.heads, 4)
+        q = unit_quaternion(q)
+        src, dst = edge_index
+        re = (q[dst] * q[src]).sum(-1).abs().clamp(max=1.0)
+        return float(torch.rad2deg(2 * re.acos()).mean())
+
+
 def warm_up(loss: Callable[[], torch.Tensor], model: torch.nn.Module) -> None:
     """One untimed forward and backward (no step): one-off costs such as building
     a kernel on first use stay out of the time per epoch."""
@@ -164,7 +183,8 @@ def print_table(title: str, rows: List[dict], metrics: Sequence[str]) -> None:
     print("| model | params | " + " | ".join(metrics) + " | CPU s/epoch |")
     print("|---|---:|" + "---:|" * len(metrics) + "---:|")
     for row in rows:
-        cells = [fmt(row[m]) for m in metrics]
+        # Angles (degrees) to one decimal, accuracies to three.
+        cells = [fmt(row[m], 1 if "°" in m else 3) if m in row else "–" for m in metrics]
         print(f"| {row['model']} | {row['params']:,} | " + " | ".join(cells)
               + f" | {fmt(row['time'], 4)} |")
 
@@ -205,5 +225,5 @@ def collect(results: Dict[str, dict], name: str, params: int, time_per_epoch: fl
 
 
 __all__ = ["QSV", "Transformer", "PoolClassifier", "train_graphs", "CONTROLS", "num_params",
-           "matched_control", "seed_all", "Timer", "warm_up", "fmt", "print_table",
+           "matched_control", "seed_all", "rotation_angle", "Timer", "warm_up", "fmt", "print_table",
            "base_parser", "selected", "collect"]
