@@ -26,6 +26,27 @@ def _mean(row: dict, key: str) -> float:
     return statistics.fmean(row[key])
 
 
+def test_node_classification_trains(examples, capsys):
+    module = examples.import_module("node_classification")
+    tables = module.main(["--small", "--seeds", "1", "--models", "QSV,GAT"])
+    # 3 blocks: chance 1/3. Features and structure both carry the class.
+    assert _mean(tables["sbm"]["QSV"], "acc") > 0.45
+    assert _mean(tables["sbm"]["QSV +loops -root"], "acc") > 0.6
+    # KarateClub: 4 classes, the largest holds 13 of 34 nodes.
+    assert _mean(tables["karate"]["QSV +loops -root"], "acc") > 0.5
+    assert set(tables["sbm"]) == {"QSV", "QSV +loops -root",
+                                  "QSV +loops -root identity-transport", "GAT", "GATv2"}
+    out = capsys.readouterr().out
+    assert "| QSV |" in out and "KarateClub" in out and "Stochastic block model" in out
+
+
+def test_graph_classification_trains(examples):
+    module = examples.import_module("graph_classification")
+    rows = module.main(["--small", "--seeds", "1", "--models", "QSV"])
+    assert list(rows) == ["QSV", "QSV identity-transport"]
+    assert _mean(rows["QSV"], "acc") > 0.45  # 4 families: chance 0.25
+
+
 def test_point_clouds_geometric_qsv_is_rotation_invariant(examples):
     module = examples.import_module("point_clouds")
     rows = module.main(["--small", "--seeds", "1", "--models", "QSV-geometric,GAT xyz"])

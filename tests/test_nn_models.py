@@ -59,6 +59,25 @@ def test_hidden_not_divisible_by_heads():
         QSV(8, 10, 2, heads=4)
 
 
+@pytest.mark.parametrize("in_channels,hidden,heads", [(7, 10, 2), (3, 6, 3), (5, 5, 1)])
+def test_widths_not_multiples_of_four_heads(in_channels, hidden, heads):
+    x, ei = _graph(c=in_channels)
+    model = QSV(in_channels, hidden, 3, out_channels=4, heads=heads, jk="cat")
+    out = model(x, ei)
+    assert out.shape == (12, 4)
+    out.sum().backward()
+    assert model.convs[0].lin_quat.weight.grad is not None
+
+
+def test_lazy_in_channels():
+    x, ei = _graph(c=6)
+    model = QSV(-1, 8, 2, out_channels=3, heads=2)
+    assert model(x, ei).shape == (12, 3)
+    fresh = QSV(-1, 8, 2, out_channels=3, heads=2)
+    fresh.load_state_dict(model.state_dict())
+    torch.testing.assert_close(fresh.eval()(x, ei), model.eval()(x, ei))
+
+
 def test_quat_source_validation():
     with pytest.raises(ValueError, match="quat_source='nope' is not supported"):
         QSV(8, 8, 2, quat_source="nope")

@@ -28,10 +28,12 @@ class QSV(BasicGNN):
     as in ``GAT``), a final linear map with ``jk``, and averaged heads in a last
     layer that maps to ``out_channels``.
 
-    Widths: each :class:`QSVConv` reads its input in blocks of four channels
-    per head. ``hidden_channels`` must be divisible by ``heads`` (each head
-    outputs ``hidden_channels // heads`` channels, as in ``GAT``); a multiple
-    of ``4 * heads`` keeps the hidden layers' inputs in whole blocks.
+    Widths need not be multiples of ``4 * heads``: each :class:`QSVConv`
+    accepts any input width (also :obj:`-1`, lazy) and zero-pads it to whole
+    blocks of four per head (the padding fills the last head's last blocks).
+    ``hidden_channels`` must only be divisible by ``heads`` (each head outputs
+    ``hidden_channels // heads`` channels, as in ``GAT``); a multiple of
+    ``4 * heads`` avoids padding in the hidden layers.
 
     Args:
         in_channels (int): Size of each input sample, or :obj:`-1` to derive it
