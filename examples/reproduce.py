@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 try:
-    from qsv_pyg.experiments.runner import main
+    from qsv_pyg.experiments.cli import main
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from qsv_pyg.experiments.runner import main
+    from qsv_pyg.experiments.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,11 @@
 """Train Quat-Sphere-Vision (or a control) on CIFAR: a thin wrapper around ``qsv-train``.
 
-Train QSV on CIFAR-10 with the paper's full schedule (GPU recommended)::
+Train QSV on CIFAR-10 at the scale of the machine: the paper's full schedule on a
+GPU, one CPU-scale study run (5 CPU-minutes) on a CPU; the first line says which::
+
+    python examples/train_cifar.py --config auto-qsv --data-dir ../shared/data
+
+The paper's full schedule on any device::
 
     python examples/train_cifar.py --config paper-qsv --data-dir ../shared/data
 
@@ -22,6 +27,7 @@ Two data-parallel processes (Gloo on CPU, NCCL on GPUs)::
 
 Every run folder gets ``config.json``, ``log.jsonl`` (one line per epoch),
 ``checkpoint.pt`` and ``metrics.json``; ``--help`` lists all options and presets.
+User errors exit 2 with one line (add ``--debug`` for the traceback).
 """
 import sys
 from pathlib import Path

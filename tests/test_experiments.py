@@ -17,7 +17,9 @@ from qsv_pyg.experiments import ABLATIONS, CONTROLS, PaperValue, get_table
 from qsv_pyg.experiments.tables import FIELD, STUDY
 from qsv_pyg.experiments import runner
 from qsv_pyg.experiments.report import REPORT_FILES
-from qsv_pyg.experiments.runner import ExperimentError, main, model_overrides_for, run_dir
+from qsv_pyg.experiments.cli import main
+from qsv_pyg.experiments.runner import run_dir
+from qsv_pyg.models.zoo import model_overrides_for
 
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 
@@ -93,9 +95,9 @@ def test_model_overrides_are_translated_per_model():
     nested = model_overrides_for("attention-gat", dict(TINY, **{"attention-gat": {
         "widths": [4, 4]}}))
     assert nested["widths"] == [4, 4] and "qsv_widths" not in nested
-    with pytest.raises(ExperimentError, match="unknown key"):
+    with pytest.raises(ValueError, match="unknown key"):
         model_overrides_for("qsv", {"widht": [8]})
-    with pytest.raises(ExperimentError, match="square"):
+    with pytest.raises(ValueError, match="square"):
         model_overrides_for("lattice", {"shell_sizes": [15, 4]})
 
 

@@ -18,10 +18,22 @@ import pytest
 import torch
 
 from qsv_pyg.data import DeviceLoader
-from qsv_pyg.training import trainer
+from qsv_pyg.training import stopping, trainer
 from qsv_pyg.training.checkpoint import load_checkpoint
-from qsv_pyg.training.cli import config_from_args, main
-from qsv_pyg.training.config import PRESETS, ConfigError, TrainConfig, preset_config
+from qsv_pyg.training.cli import build_parser, config_from_args, main
+from qsv_pyg.training.config import (
+    PRESETS,
+    SHARED,
+    TABLE,
+    ConfigError,
+    TrainConfig,
+    ablation_fields,
+    fields_with_role,
+    preset_config,
+    resume_overridable,
+    to_argv,
+)
+from qsv_pyg.training.presets import AUTO_PRESETS, resolve_auto_preset
 
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 
@@ -126,6 +138,46 @@ def test_preset_then_explicit_flags():
     assert cfg.lr == PRESETS["paper-qsv-routing-abs"]["lr"]
 
 
+def test_the_parser_and_the_field_lists_come_from_the_config():
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions}
+    fields = set(TrainConfig().to_dict()) - {"preset"}
+    assert fields <= dests  # one flag per field, nothing restated by hand
+    assert dests - fields == {"help", "config", "list_presets", "resume", "debug"}
+    # The roles give the lists that used to be kept by hand.
+    assert resume_overridable() == {"out_dir", "data_dir", "download", "download_url", "device",
+                                    "time_budget", "threads", "progress", "compile"}
+    assert set(fields_with_role(SHARED)) == {
+        "dataset", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
+        "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget",
+        "budget_clock", "threads"}
+    assert set(ablation_fields()) <= set(fields_with_role(TABLE))
+    assert ablation_fields()["frozen_beta"] == "learn_beta"
+    # Flags round-trip: the runner builds configurations directly and launches them as argv.
+    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior=0.1,
+                      model_args={"widths": [16, 16]}, lr=3e-3, eval_at_minutes=[1.0, 2.5],
+                      time_budget=5.0, progress=False)
+    values = {k: v for k, v in cfg.to_dict().items() if k != "preset"}
+    again, _ = config_from_args(vars(parser.parse_args(to_argv(values))))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_auto_preset_picks_the_scale_from_the_device(data_dir, tmp_path, capsys):
+    assert set(AUTO_PRESETS) >= {"auto-qsv", "auto-resnet20"}
+    name, why = resolve_auto_preset("auto-qsv", "cpu")
+    assert name == "cpu-qsv" and "--device cpu" in why and "paper-qsv" in why
+    name, why = resolve_auto_preset("auto-qsv", "cuda")
+    assert name == "paper-qsv" and "300 epochs" in why
+    cfg, _ = config_from_args({"config": "auto-resnet20", "device": "cpu"})
+    assert cfg.preset == "cpu-resnet20" and cfg.time_budget == PRESETS["cpu-resnet20"]["time_budget"]
+    out = tmp_path / "run"
+    run_ok(["--config", "auto-resnet20", "--device", "cpu", "--data-dir", str(data_dir),
+            "--out-dir", str(out), "--subset", "16", "--test-subset", "16", "--batch-size", "16",
+            "--time-budget", "1e-7", "--no-progress"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("auto-resnet20: --device cpu, so cpu-resnet20"), first
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -172,7 +224,7 @@ def test_resume_resnet20_matches_straight_run(data_dir, tmp_path, monkeypatch):
     # Stop after epoch 1 through the time budget (a fake clock), then resume.
     steps = N_TRAIN // BATCH
     clock = iter([0.0] * (steps + 1) + [1e9] * 1000)  # t_start + 4 step checks
-    monkeypatch.setattr(trainer, "_clock", lambda: next(clock))
+    monkeypatch.setattr(stopping, "wall_clock", lambda: next(clock))
     resumed = tmp_path / "resumed"
     run_ok(base_args(data_dir, resumed, "--time-budget", "1"))
     state = load_checkpoint(resumed / "checkpoint.pt")
@@ -190,7 +242,7 @@ def test_time_budget_mid_epoch_then_resume_is_exact(data_dir, tmp_path, monkeypa
                                                    straight_qsv):
     out = tmp_path / "run"
     clock = iter([0.0] * 7 + [1e9] * 1000)  # expires before the 7th step (epoch 2, batch 3)
-    monkeypatch.setattr(trainer, "_clock", lambda: next(clock))
+    monkeypatch.setattr(stopping, "wall_clock", lambda: next(clock))
     run_ok(base_args(data_dir, out, "--time-budget", "5", model=TINY_QSV))
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["stopped_early"] is True and metrics["stop_reason"] == "time_budget"
@@ -377,7 +429,7 @@ def test_process_clock_budget_and_threads(data_dir, tmp_path, monkeypatch):
         fake["cpu"] += 30.0  # every check "burns" 30 CPU-seconds
         return fake["cpu"]
 
-    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
     out = tmp_path / "run"
     code = main(base_args(data_dir, out, "--epochs", "3", "--time-budget", "1",
                           "--budget-clock", "process", "--threads", "1"))
@@ -396,7 +448,7 @@ def test_anneal_to_budget_ends_the_cosine_with_the_budget(data_dir, tmp_path, mo
         fake["cpu"] += 5.0
         return fake["cpu"]
 
-    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
     out = tmp_path / "run"
     run_ok(base_args(data_dir, out, "--epochs", "50", "--time-budget", "1",
                      "--budget-clock", "process", "--anneal-to-budget",

@@ -4,8 +4,11 @@
   tables and the numbers the paper reports (kept apart from measured ones).
 * :mod:`~qsv_pyg.experiments.runner`: trains every row × seed under one
   wall-clock budget, reusing finished runs and resuming interrupted ones.
+* :mod:`~qsv_pyg.experiments.launch`: starts one training run (a fresh
+  interpreter by default) and collects its output.
 * :mod:`~qsv_pyg.experiments.report`: ``table.md``, ``table.csv``,
   ``results.json``, ``accuracy.png`` and ``beta_probe.png`` from the runs.
+* :mod:`~qsv_pyg.experiments.cli`: the command line of ``examples/reproduce.py``.
 
 Command line: ``python examples/reproduce.py --help``.
 """

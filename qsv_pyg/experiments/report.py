@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import csv
 import json
-import math
-import re
 import statistics
-from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from qsv_pyg.training.config import SHARED, fields_with_role
 from qsv_pyg.training.run_files import (
     CHECKPOINT_NAME,
     CONFIG_NAME,
@@ -42,6 +40,7 @@ from qsv_pyg.training.run_files import (
 from qsv_pyg.training.run_files import read_json as _read_json
 
 from .budget_curve import write_budget_curves
+from .figures import plot_accuracy, plot_beta_probe
 from .runner import RUNNER_NAME, run_dir
 from .tables import PAPER_SOURCE, Row, Table
 
@@ -52,9 +51,7 @@ __all__ = ["REPORT_FILES", "collect", "format_markdown", "plot_accuracy", "plot_
 REPORT_FILES = ("table.md", "table.csv", "results.json", "accuracy.png", "beta_probe.png")
 
 # Settings that should be equal across the runs of one table for a fair comparison.
-_SHARED_SETTINGS = ("dataset", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
-                    "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget",
-                    "budget_clock", "threads")
+_SHARED_SETTINGS = fields_with_role(SHARED)
 
 
 # ============================================================================ collect
@@ -118,6 +115,59 @@ def _stats(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
     return mean, (statistics.stdev(values) if len(values) > 1 else None)
 
 
+def _row_entry(table: Table, row: Row, runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One row of the summary from its runs (finished or not)."""
+    done = [r for r in runs if r["status"] == "done"]
+    accs = [r["test_acc"] for r in done]
+    mean, std = _stats(accs)
+    params = sorted({r["params"] for r in done if r["params"] is not None})
+    return {
+        "slug": row.slug, "label": row.label, "model": row.model,
+        "switches": dict(row.switches),
+        "measured": {
+            "n": len(done), "seeds": [r["seed"] for r in done],
+            "test_acc_mean": mean, "test_acc_std": std, "delta": None,
+            "test_acc_per_seed": accs,
+            "best_test_acc_mean": _stats([r["best_test_acc"] for r in done
+                                          if r["best_test_acc"] is not None])[0],
+            "params": params[0] if len(params) == 1 else (params or None),
+            "epochs_done": [r["epochs"] for r in done],
+            "epochs_planned": sorted({r["epochs_planned"] for r in done}),
+            "n_stopped_by_budget": sum(r["stopped_early"] for r in done),
+            "runs": [{k: v for k, v in r.items() if k != "betas"} for r in runs],
+        },
+        "paper": {"acc": row.paper.acc, "delta": row.paper.delta,
+                  "approx": row.paper.approx, "note": row.paper.note,
+                  "text": row.paper.text(reference=row.slug == table.reference)},
+        "_betas": [(r["seed"], r["betas"]) for r in done if r.get("betas")],
+    }
+
+
+def _settings(summary_rows: List[Dict[str, Any]], warnings: List[str]) -> Dict[str, Any]:
+    """The settings the runs share; a setting that differs is listed and warned about."""
+    settings: Dict[str, Any] = {}
+    for key in _SHARED_SETTINGS:
+        values = {json.dumps(r["settings"][key]) for e in summary_rows
+                  for r in e["measured"]["runs"] if "settings" in r}
+        if len(values) == 1:
+            settings[key] = json.loads(values.pop())
+        elif len(values) > 1:
+            settings[key] = sorted(json.loads(v) for v in values if v != "null") or None
+            warnings.append(f"runs differ in {key}: {sorted(values)}")
+    devices = sorted({r["device"] for e in summary_rows for r in e["measured"]["runs"]
+                      if r.get("device")})
+    if devices:
+        settings["device"] = devices[0] if len(devices) == 1 else devices
+    model_args: Dict[str, Any] = {}
+    for e in summary_rows:
+        for r in e["measured"]["runs"]:
+            if r.get("model_args"):
+                model_args.setdefault(e["model"], r["model_args"])
+    if model_args:
+        settings["model_args"] = model_args
+    return settings
+
+
 def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = None,
             seeds: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """Gather the measured results of ``table`` from its run folders.
@@ -140,30 +190,7 @@ def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = No
         row_seeds = list(seeds) if seeds is not None else _seeds_on_disk(
             root / table.name / row.slug)
         runs = [_run_info(root, table, row, s) for s in row_seeds]
-        done = [r for r in runs if r["status"] == "done"]
-        accs = [r["test_acc"] for r in done]
-        mean, std = _stats(accs)
-        params = sorted({r["params"] for r in done if r["params"] is not None})
-        entry = {
-            "slug": row.slug, "label": row.label, "model": row.model,
-            "switches": dict(row.switches),
-            "measured": {
-                "n": len(done), "seeds": [r["seed"] for r in done],
-                "test_acc_mean": mean, "test_acc_std": std, "delta": None,
-                "test_acc_per_seed": accs,
-                "best_test_acc_mean": _stats([r["best_test_acc"] for r in done
-                                              if r["best_test_acc"] is not None])[0],
-                "params": params[0] if len(params) == 1 else (params or None),
-                "epochs_done": [r["epochs"] for r in done],
-                "epochs_planned": sorted({r["epochs_planned"] for r in done}),
-                "n_stopped_by_budget": sum(r["stopped_early"] for r in done),
-                "runs": [{k: v for k, v in r.items() if k != "betas"} for r in runs],
-            },
-            "paper": {"acc": row.paper.acc, "delta": row.paper.delta,
-                      "approx": row.paper.approx, "note": row.paper.note,
-                      "text": row.paper.text(reference=row.slug == table.reference)},
-            "_betas": [(r["seed"], r["betas"]) for r in done if r.get("betas")],
-        }
+        entry = _row_entry(table, row, runs)
         for r in runs:
             if r["status"] != "done":
                 warnings.append(f"{row.slug}/seed{r['seed']}: {r['status']}")
@@ -177,26 +204,7 @@ def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = No
         if ref_mean is not None and m["test_acc_mean"] is not None:
             m["delta"] = m["test_acc_mean"] - ref_mean
 
-    settings: Dict[str, Any] = {}
-    for key in _SHARED_SETTINGS:
-        values = {json.dumps(r["settings"][key]) for e in summary_rows
-                  for r in e["measured"]["runs"] if "settings" in r}
-        if len(values) == 1:
-            settings[key] = json.loads(values.pop())
-        elif len(values) > 1:
-            settings[key] = sorted(json.loads(v) for v in values if v != "null") or None
-            warnings.append(f"runs differ in {key}: {sorted(values)}")
-    devices = sorted({r["device"] for e in summary_rows for r in e["measured"]["runs"]
-                      if r.get("device")})
-    if devices:
-        settings["device"] = devices[0] if len(devices) == 1 else devices
-    model_args: Dict[str, Any] = {}
-    for e in summary_rows:
-        for r in e["measured"]["runs"]:
-            if r.get("model_args"):
-                model_args.setdefault(e["model"], r["model_args"])
-    if model_args:
-        settings["model_args"] = model_args
+    settings = _settings(summary_rows, warnings)
     counts = [p for e in summary_rows for p in ([e["measured"]["params"]]
               if not isinstance(e["measured"]["params"], list) else e["measured"]["params"])
               if p]
@@ -358,144 +366,6 @@ def _csv_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 def _round(value: Optional[float]) -> Optional[float]:
     return None if value is None else round(value, 4)
-
-
-# ============================================================================ figures
-
-
-def _figure(width: float, height: float):
-    # A bare Figure renders through Agg without touching pyplot's global backend.
-    from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def _colors(n: int) -> List[Any]:
-    from matplotlib import colormaps
-    cmap = colormaps["tab10"]
-    return [cmap(i % 10) for i in range(n)]
-
-
-def plot_accuracy(summary: Dict[str, Any], path: "str | Path") -> None:
-    """Bars of the mean test accuracy per variant, ±1 std, seed dots, paper markers."""
-    rows = summary["rows"]
-    fig = _figure(max(6.0, 1.2 * len(rows) + 2.0), 4.6)
-    ax = fig.add_subplot()
-    xs = list(range(len(rows)))
-    colors = _colors(len(rows))  # same colour per row as in the β probe
-    paper_shown = seeds_shown = False
-    for x, e, color in zip(xs, rows, colors):
-        m = e["measured"]
-        if m["test_acc_mean"] is None:
-            ax.text(x, 0.5, "no runs", ha="center", va="bottom", rotation=90, fontsize=8,
-                    color="0.4")
-            continue
-        ax.bar(x, m["test_acc_mean"], width=0.6, color=color, alpha=0.55,
-               yerr=m["test_acc_std"] or 0.0, capsize=4, error_kw={"elinewidth": 1})
-        n = len(m["test_acc_per_seed"])
-        # Small deterministic jitter keeps equal seed values visible side by side.
-        offsets = [0.0] if n == 1 else [-0.15 + 0.3 * i / (n - 1) for i in range(n)]
-        ax.scatter([x + o for o in offsets], m["test_acc_per_seed"], s=18, color="black",
-                   zorder=3, label=None if seeds_shown else "seeds (measured)")
-        seeds_shown = True
-        if e["paper"]["acc"] is not None:
-            ax.scatter([x], [e["paper"]["acc"]], marker="D", s=36, facecolors="none",
-                       edgecolors="crimson", zorder=4,
-                       label=None if paper_shown else "paper (reported, full scale)")
-            paper_shown = True
-    for x, e in zip(xs, rows):
-        if e["paper"]["acc"] is None and e["paper"]["delta"] is not None:
-            ax.annotate(f"paper: {e['paper']['text']}", (x, 0), xytext=(0, 4),
-                        textcoords="offset points", ha="center", fontsize=7, color="crimson")
-    ref = next((e for e in rows if e["slug"] == summary["reference"]), None)
-    if ref is not None and ref["measured"]["test_acc_mean"] is not None:
-        ax.axhline(ref["measured"]["test_acc_mean"], color="0.3", lw=0.8, ls=":",
-                   label=f"{ref['label']} (measured mean)")
-    ax.set_xticks(xs, [e["label"] for e in rows], rotation=25, ha="right")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{summary['title']}: measured, mean ± std over seeds")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="best")
-    ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path, dpi=120)
-
-
-def _group_of(layer: str) -> str:
-    """Panel of a QSV layer: ``cross<k>`` alone, every ``within<k>`` together."""
-    if re.fullmatch(r"within\d*", layer):
-        return "within"
-    return layer
-
-
-def _group_order(group: str) -> Tuple[int, int, str]:
-    m = re.fullmatch(r"cross(\d+)", group)
-    if m:
-        return (0, int(m.group(1)), group)
-    return (1 if group == "within" else 2, 0, group)
-
-
-def beta_series(entry: Dict[str, Any]) -> Dict[str, Dict[int, List[float]]]:
-    """β values of one variant: group → epoch → every head value (all seeds, all layers)."""
-    series: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
-    for _seed, history in entry.get("_betas", []):
-        for epoch, betas in history:
-            for layer, heads in betas.items():
-                values = heads if isinstance(heads, list) else [heads]
-                series[_group_of(layer)][int(epoch)].extend(float(v) for v in values)
-    return series
-
-
-def plot_beta_probe(summary: Dict[str, Any], path: "str | Path") -> None:
-    """The routing-temperature probe: β per head over training, one panel per layer group."""
-    # Colours follow the row order of the table, as in the accuracy figure.
-    row_colors = dict(zip([e["slug"] for e in summary["rows"]], _colors(len(summary["rows"]))))
-    variants = [(e, beta_series(e)) for e in summary["rows"]]
-    variants = [(e, s) for e, s in variants if s]
-    groups = sorted({g for _, s in variants for g in s}, key=_group_order)
-    if not groups:
-        fig = _figure(6.0, 3.0)
-        ax = fig.add_subplot()
-        ax.axis("off")
-        ax.text(0.5, 0.5, "no routing temperatures logged\n(no finished epochs of a QSV row)",
-                ha="center", va="center")
-        fig.savefig(path, dpi=120)
-        return
-    from matplotlib.ticker import MaxNLocator
-    ncols = min(3, len(groups))
-    nrows = math.ceil(len(groups) / ncols)
-    fig = _figure(4.2 * ncols, 3.2 * nrows + 0.6)
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
-    for i, group in enumerate(groups):
-        ax = axes[i // ncols][i % ncols]
-        for entry, series in variants:
-            per_epoch = series.get(group)
-            if not per_epoch:
-                continue
-            epochs = sorted(per_epoch)
-            mean = [statistics.fmean(per_epoch[t]) for t in epochs]
-            lo = [min(per_epoch[t]) for t in epochs]
-            hi = [max(per_epoch[t]) for t in epochs]
-            color = row_colors[entry["slug"]]
-            ax.plot(epochs, mean, color=color, lw=1.5, marker="o" if len(epochs) < 3 else None,
-                    ms=3, label=entry["label"])
-            ax.fill_between(epochs, lo, hi, color=color, alpha=0.18, lw=0)
-        ax.set_title(f"{group} (all rounds)" if group == "within" else group, fontsize=10)
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("β")
-        ax.grid(alpha=0.3)
-    for j in range(len(groups), nrows * ncols):
-        axes[j // ncols][j % ncols].axis("off")
-    seen: Dict[str, Any] = {}  # one legend entry per variant, from whichever panel has it
-    for row in axes:
-        for ax in row:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
-               ncols=min(4, len(seen)), fontsize=8)
-    fig.suptitle("Routing temperature β per head: mean (line), min–max over heads (band)",
-                 fontsize=11)
-    fig.savefig(path, dpi=120)
 
 
 # ============================================================================ write

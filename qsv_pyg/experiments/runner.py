@@ -25,32 +25,18 @@ folder, progress bars, compile) and compares the budget through
 table before any training (so a changed setting never silently reuses or
 destroys results), unless ``overwrite=True`` deletes and retrains it.
 
-Runs are launched in a subprocess (``python -m qsv_pyg.training.cli``) by
-default: every run then starts from a fresh interpreter (no model, data or
-allocator state leaks from one run into the next, a crash or out-of-memory kill
-stays in its run, and Ctrl-C reaches the trainer, which checkpoints). The
-``in-process`` launcher calls :func:`qsv_pyg.training.cli.main` directly; it
-saves the interpreter start-up (a few seconds per run) and suits tiny runs and
-tests.
-
-Exit codes of :func:`main`: 0 every run finished, 1 some run failed (e.g. a
-non-finite loss; the others still ran and the report marks it), 2 usage error,
-130 interrupted (run the same command again to resume).
+Each run is launched by :mod:`~qsv_pyg.experiments.launch` (a fresh
+interpreter by default); the command line is :mod:`~qsv_pyg.experiments.cli`.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import json
 import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -58,15 +44,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from qsv_pyg.models import available_models, build_model, zoo
+from qsv_pyg.models import build_model, zoo
 from qsv_pyg.training import cli as train_cli
 from qsv_pyg.training.checkpoint import CheckpointError, load_checkpoint
-from qsv_pyg.training.config import ABLATION_FLAGS, ConfigError, TrainConfig
+from qsv_pyg.training.config import ConfigError, TrainConfig, resume_overridable, to_argv
 from qsv_pyg.training.run_files import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, write_json
 from qsv_pyg.training.run_files import read_json as _read_json
-from qsv_pyg.training.trainer import RESUME_OVERRIDABLE
 
-from .tables import TABLES, Row, Table, get_table
+from .launch import LAUNCHERS, OUTPUT_NAME, launch_training, tail
+from .tables import Row, Table
 
 __all__ = [
     "ExperimentError",
@@ -77,41 +63,17 @@ __all__ = [
     "RunResult",
     "RunSettings",
     "RunSpec",
-    "build_parser",
     "config_differences",
-    "launch_training",
-    "main",
-    "model_overrides_for",
     "plan_runs",
     "run_dir",
     "run_table",
 ]
 
 RUNNER_NAME = "runner.json"
-OUTPUT_NAME = "output.txt"
-LAUNCHERS = ("subprocess", "in-process")
-
-#: Config fields that may differ between a saved run and the request (where and
-#: how the run executes, not what it computes). The budget is compared separately.
-IGNORED_FIELDS = frozenset(RESUME_OVERRIDABLE)
 
 #: A resumed run whose budget is used up still gets this much, so it can
 #: evaluate and write its metrics.
 _MIN_RESUME_MINUTES = 0.05
-
-#: Flags the runner sets itself, per run; ``--train-args`` may not contain them.
-_RESERVED_TRAIN_FIELDS = frozenset(
-    {"model", "config", "list_presets", "out_dir", "seed", "time_budget", "resume",
-     "progress", "model_args", "epochs", "batch_size", "lr", "subset", "test_subset",
-     "device", "data_dir", "dataset"} | set(ABLATION_FLAGS))
-
-# Overrides each graph model accepts (the zoo's own lists, so they stay in sync).
-_ACCEPTS = {
-    "qsv": frozenset(zoo.SHARED + zoo.SHELL_KEYS + zoo.QSV_KEYS),
-    "lattice": frozenset(zoo.SHARED + zoo.LATTICE_KEYS + zoo.QSV_KEYS),
-    "attention": frozenset(zoo.SHARED + zoo.SHELL_KEYS + zoo.CONTROL_KEYS),
-}
-_GRAPH_KEYS = frozenset().union(*_ACCEPTS.values())
 
 
 class ExperimentError(RuntimeError):
@@ -141,7 +103,7 @@ class RunSettings:
         test_subset: evaluate on a class-balanced subset of this many images.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         model_overrides: model keywords for every graph model, translated per
-            model by :func:`model_overrides_for`; a key naming a model (e.g.
+            model by :func:`qsv_pyg.models.zoo.model_overrides_for`; a key naming a model (e.g.
             ``"resnet20"``) holds keywords for that model only.
         train_args: further ``qsv-train`` flags for every run (e.g.
             ``("--warmup-epochs", "1")``); flags the runner sets are refused.
@@ -159,96 +121,30 @@ class RunSettings:
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     train_args: Tuple[str, ...] = ()
 
+    def location(self) -> Dict[str, Any]:
+        """Fields that a resumed run may (and should) repeat: device, data folder, no bars."""
+        return {"device": self.device, "progress": False, "data_dir": self.data_dir}
+
     def location_flags(self) -> List[str]:
-        """Flags that a resumed run may (and should) repeat: data folder and device."""
-        out = ["--device", self.device, "--no-progress"]
-        if self.data_dir is not None:
-            out += ["--data-dir", str(self.data_dir)]
-        return out
+        """:meth:`location` as ``qsv-train`` flags."""
+        return to_argv(self.location())
 
-    def common_flags(self) -> List[str]:
-        """Flags of a fresh run shared by every row, except model overrides."""
-        out = ["--dataset", self.dataset, "--time-budget", _num(self.budget_minutes)]
-        for flag, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size),
-                            ("--lr", self.lr), ("--subset", self.subset),
-                            ("--test-subset", self.test_subset)):
-            if value is not None:
-                out += [flag, _num(value)]
-        return out + self.location_flags() + list(self.train_args)
+    def fields(self) -> Dict[str, Any]:
+        """Configuration fields of a fresh run shared by every row, except model overrides.
 
-
-def _num(value: Any) -> str:
-    # repr keeps floats exact through the command line (str would too, but be explicit).
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, Any]:
-    """The model keywords that ``overrides`` (from ``--model-overrides``) give ``model``.
-
-    A CPU-scale study shrinks every graph model the same way, but the models
-    spell some sizes differently; the shared description is translated:
-
-    * ``qsv``: used as given.
-    * ``lattice``: ``shell_sizes`` become ``lattice_sides`` (square roots: a
-      grid with the shells' node counts; the sizes must be perfect squares unless
-      ``lattice_sides`` is given); ``shell_radii`` is dropped.
-    * ``attention-*``: ``widths`` and ``heads`` become ``qsv_widths`` and
-      ``qsv_heads``, so the control is parameter-matched to the QSV model of those
-      widths and heads, as at full scale, with its own head count;
-      QSV-only keywords (routing, field, β, repulsion) are dropped.
-    * other models (``resnet20``): nothing of the shared part.
-
-    A key equal to a model name holds a dict of keywords for that model only,
-    applied last and as given (e.g. ``{"attention-gat": {"match_tol": 0.2}}``).
-
-    Raises:
-        ExperimentError: a key no graph model accepts, a per-model entry that is
-            not a dict, or shell sizes without square roots for the lattice.
-    """
-    models = set(available_models())
-    common = {k: v for k, v in overrides.items() if k not in models}
-    unknown = sorted(set(common) - _GRAPH_KEYS)
-    if unknown:
-        raise ExperimentError(
-            f"--model-overrides: unknown key(s) {', '.join(map(repr, unknown))}; graph-model "
-            f"keys: {', '.join(sorted(_GRAPH_KEYS))}; or a model name "
-            f"({', '.join(sorted(models))}) mapping to that model's own keywords")
-    for name in models & set(overrides):
-        if not isinstance(overrides[name], dict):
-            raise ExperimentError(f"--model-overrides: {name!r} must map to an object of "
-                                  f"keywords, got {overrides[name]!r}")
-    nested = dict(overrides.get(model, {}))
-
-    kind = "attention" if model.startswith("attention-") else model
-    accepted = _ACCEPTS.get(kind)
-    if accepted is None:
-        return nested
-    common = dict(common)
-    if kind == "lattice" and "shell_sizes" in common and "lattice_sides" not in common \
-            and "lattice_sides" not in nested:
-        common["lattice_sides"] = _square_sides(common["shell_sizes"])
-    if kind == "attention" and "widths" in common and "qsv_widths" not in common:
-        common["qsv_widths"] = common.pop("widths")
-    if kind == "attention" and "heads" in common and "qsv_heads" not in common:
-        common["qsv_heads"] = common.pop("heads")  # the controls keep their own heads
-    out = {k: v for k, v in common.items() if k in accepted}
-    if kind == "attention" and "widths" in nested:
-        out.pop("qsv_widths", None)  # explicit control widths: no matching
-    out.update(nested)
-    return out
-
-
-def _square_sides(sizes: Any) -> List[int]:
-    try:
-        sides = [math.isqrt(int(n)) for n in sizes]
-        ok = all(s * s == int(n) for s, n in zip(sides, sizes))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ExperimentError(
-            f"--model-overrides: the lattice needs square node counts to mirror shell_sizes "
-            f"{sizes!r}; add \"lattice\": {{\"lattice_sides\": [...]}} to --model-overrides")
-    return sides
+        Raises:
+            ExperimentError: ``train_args`` that ``qsv-train`` rejects.
+        """
+        out = {"dataset": self.dataset, "time_budget": float(self.budget_minutes),
+               "epochs": self.epochs, "batch_size": self.batch_size,
+               "lr": None if self.lr is None else float(self.lr), "subset": self.subset,
+               "test_subset": self.test_subset, **self.location()}
+        try:
+            given = train_cli.parse_fields(self.train_args)
+        except ConfigError as exc:
+            raise ExperimentError(f"invalid training flags {shlex.join(self.train_args)}: "
+                                  f"{exc}") from None
+        return {**{k: v for k, v in out.items() if v is not None}, **given}
 
 
 # ============================================================================ planning
@@ -311,37 +207,6 @@ def run_dir(root: "str | os.PathLike[str]", table: str, slug: str, seed: int) ->
     return Path(root) / table / slug / f"seed{seed}"
 
 
-def requested_config(argv: Sequence[str]) -> TrainConfig:
-    """The :class:`TrainConfig` that ``qsv-train argv`` would train (nothing is run).
-
-    Raises:
-        ExperimentError: the trainer rejects the flags (its message included).
-    """
-    parser = train_cli.build_parser()
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = parser.parse_args(list(argv))
-    except SystemExit:
-        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-        raise ExperimentError(f"invalid training flags {shlex.join(argv)}: "
-                              f"{lines[-1] if lines else 'rejected'}") from None
-    explicit = vars(args)
-    explicit.pop("list_presets", None)
-    try:
-        cfg, _ = train_cli.config_from_args(explicit)
-    except ConfigError as exc:
-        raise ExperimentError(str(exc)) from None
-    return cfg
-
-
-def _model_arg_flags(overrides: Mapping[str, Any]) -> List[str]:
-    out: List[str] = []
-    for key, value in overrides.items():
-        out += ["--model-arg", f"{key}={json.dumps(value)}"]
-    return out
-
-
 def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]",
               settings: RunSettings, rows: Optional[Sequence[str]] = None,
               validate_models: bool = True) -> List[RunSpec]:
@@ -375,19 +240,23 @@ def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
                               f"got {settings.budget_minutes!r}")
     # Absolute run folders: a subprocess or a later resume may run from another directory.
     root = Path(root).expanduser().absolute()
+    shared = settings.fields()
     specs: List[RunSpec] = []
     built: Dict[str, None] = {}
     for row in selected:
-        overrides = model_overrides_for(row.model, settings.model_overrides)
+        try:
+            overrides = zoo.model_overrides_for(row.model, settings.model_overrides)
+        except ValueError as exc:
+            raise ExperimentError(str(exc)) from None
         for seed in seeds:
             out_dir = run_dir(root, table.name, row.slug, seed)
-            argv = (["--model", row.model, "--seed", str(seed), "--out-dir", str(out_dir)]
-                    + settings.common_flags() + row.flags() + _model_arg_flags(overrides))
+            values = {"model": row.model, "seed": seed, "out_dir": str(out_dir), **shared,
+                      **dict(row.switches), "model_args": dict(overrides)}
             try:
-                cfg = requested_config(argv)
-            except ExperimentError as exc:
+                cfg = TrainConfig().replace(**values).validate()
+            except ConfigError as exc:
                 raise ExperimentError(f"row {row.slug!r}: {exc}") from None
-            specs.append(RunSpec(table.name, row, seed, out_dir, argv, cfg))
+            specs.append(RunSpec(table.name, row, seed, out_dir, to_argv(values), cfg))
             key = json.dumps([cfg.model, cfg.dataset, cfg.model_args, row.flags()],
                              sort_keys=True)
             if validate_models and key not in built:
@@ -397,17 +266,14 @@ def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
 
 
 def _check_model(row: Row, cfg: TrainConfig) -> None:
-    num_classes = 100 if cfg.dataset == "cifar100" else 10
     try:
-        build_model(cfg.model, num_classes, **cfg.model_overrides())
+        build_model(cfg.model, cfg.num_classes, **cfg.model_overrides())
     except (TypeError, ValueError) as exc:
         raise ExperimentError(f"row {row.slug!r} ({row.label}): cannot build {cfg.model!r} "
                               f"with {cfg.model_overrides()}: {exc}") from None
 
 
 # ============================================================================ decisions
-
-
 
 
 def config_differences(requested: TrainConfig, saved: Mapping[str, Any],
@@ -425,9 +291,12 @@ def config_differences(requested: TrainConfig, saved: Mapping[str, Any],
     """
     want = requested.to_dict()
     defaults = TrainConfig().to_dict()
+    # Where and how a run executes may differ, not what it computes; the budget
+    # is compared through runner.json below.
+    ignored = resume_overridable()
     diffs = []
     for key in sorted(set(want) | set(saved)):
-        if key in IGNORED_FIELDS:
+        if key in ignored:
             continue
         # A field missing on either side (another trainer version) counts as its default.
         mine, theirs = want.get(key, defaults.get(key)), saved.get(key, defaults.get(key))
@@ -472,67 +341,7 @@ def _used_minutes(checkpoint: Path) -> float:
     return used / 60.0
 
 
-# ============================================================================ launching
-
-
-def launch_training(argv: Sequence[str], out_dir: Path, launcher: str = "subprocess") -> int:
-    """Run ``qsv-train argv`` with its output appended to ``out_dir/output.txt``.
-
-    Args:
-        argv: ``qsv-train`` arguments.
-        out_dir: the run folder (created).
-        launcher: ``"subprocess"`` or ``"in-process"`` (see the module docstring).
-
-    Returns:
-        The trainer's exit code (0 done, 1 failed, 2 usage error, 130 interrupted).
-    """
-    if launcher not in LAUNCHERS:
-        raise ExperimentError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / OUTPUT_NAME, "a", encoding="utf-8") as log:
-        log.write(f"# {datetime.now():%Y-%m-%d %H:%M:%S} qsv-train {shlex.join(argv)}\n")
-        log.flush()
-        if launcher == "subprocess":
-            return _run_subprocess(argv, log)
-        return _run_in_process(argv, log)
-
-
-def _run_subprocess(argv: Sequence[str], log) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # The child imports this very checkout even when the package is not installed.
-    source_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "qsv_pyg.training.cli", *argv],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        # The child got the same Ctrl-C and is writing its checkpoint: let it finish.
-        try:
-            proc.wait(timeout=300)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
-        return 130
-
-
-def _run_in_process(argv: Sequence[str], log) -> int:
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        try:
-            return train_cli.main(list(argv))
-        except KeyboardInterrupt:
-            return 130
-        except Exception:  # a crash of one run must not take the table down
-            traceback.print_exc()
-            return 1
-
-
-def _tail(path: Path, lines: int = 12) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
+# ============================================================================ running
 
 
 def _record_launch(spec: RunSpec, action: str, argv: Sequence[str], launcher: str,
@@ -571,7 +380,7 @@ def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -
                                   "rerun with --overwrite to start it again") from None
         remaining = max(spec.config.time_budget - used, _MIN_RESUME_MINUTES)
         argv = (["--resume", "--out-dir", str(spec.out_dir),
-                 "--time-budget", _num(round(remaining, 4))] + settings.location_flags())
+                 *to_argv({"time_budget": round(remaining, 4)})] + settings.location_flags())
     else:
         argv = list(spec.argv)
     started = time.time()
@@ -584,11 +393,11 @@ def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -
                                     "to resume it")
     if rc == 2:
         raise ExperimentError(f"{spec.name}: the trainer rejected the run (exit 2); last output "
-                              f"in {output}:\n{_tail(output)}")
+                              f"in {output}:\n{tail(output)}")
     metrics = _read_json(metrics_path) if rc == 0 else None
     if metrics is None:
         why = f"exit code {rc}" if rc else f"no readable {METRICS_NAME}"
-        return RunResult(spec, "failed", None, f"{why}; last output in {output}:\n{_tail(output)}")
+        return RunResult(spec, "failed", None, f"{why}; last output in {output}:\n{tail(output)}")
     return RunResult(spec, "resumed" if action == "resume" else "trained", metrics)
 
 
@@ -644,180 +453,3 @@ def run_table(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
             bar.write(f"{spec.name}: {result.summary()}", file=sys.stdout)
             bar.update()
     return results
-
-
-# ============================================================================ command line
-
-
-def _json_object(text: str) -> Dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as "
-                                         f"'{{\"widths\": [32, 32]}}', got {text!r}")
-    return value
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "number" if kind is float else "integer"
-            raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        return value
-    return parse
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``examples/reproduce.py``."""
-    rows = "; ".join(f"{t.name}: {', '.join(t.slugs)}" for t in TABLES.values())
-    p = argparse.ArgumentParser(
-        prog="reproduce.py",
-        description="Train every row × seed of a paper table under one wall-clock budget, "
-                    "then write table.md/.csv, results.json, accuracy.png and beta_probe.png.",
-        epilog=f"Rows: {rows}. Exit codes: 0 done, 1 some run failed, 2 usage error, "
-               "130 interrupted (run again to resume).")
-    p.add_argument("--table", required=True, choices=sorted(TABLES), help="which table")
-    p.add_argument("--rows", nargs="+", metavar="SLUG", help="only these rows (default: all)")
-    p.add_argument("--seeds", nargs="+", type=_seed, metavar="K",
-                   help="training seeds (default: 0; with --report-only: every seed on disk)")
-    p.add_argument("--out-root", default="runs/reproduce", metavar="DIR",
-                   help="runs go to DIR/<table>/<row>/seed<k> (default: runs/reproduce)")
-    p.add_argument("--report-only", action="store_true",
-                   help="only write the report from the runs on disk (training flags are ignored)")
-
-    g = p.add_argument_group("training (the same for every run)")
-    g.add_argument("--data-dir", metavar="DIR",
-                   help="folder containing cifar-10-batches-py/ (default: $QSV_DATA_DIR)")
-    g.add_argument("--dataset", default="cifar10", choices=("cifar10", "cifar100"),
-                   help="dataset (the paper column is CIFAR-10; default: cifar10)")
-    g.add_argument("--budget-minutes", type=_positive(float), metavar="M",
-                   help="wall-clock budget of every run, in minutes (required to train)")
-    g.add_argument("--epochs", type=_positive(int), metavar="E",
-                   help="planned epochs (default: the trainer's)")
-    g.add_argument("--batch-size", type=_positive(int), metavar="B")
-    g.add_argument("--lr", type=_positive(float), metavar="LR")
-    g.add_argument("--subset", type=_positive(int), metavar="N",
-                   help="class-balanced subset of N training images")
-    g.add_argument("--test-subset", type=_positive(int), metavar="M",
-                   help="class-balanced subset of M test images")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default: auto)")
-    g.add_argument("--model-overrides", type=_json_object, default={}, metavar="JSON",
-                   help="model keywords for every graph model, e.g. '{\"shell_sizes\": [64, 16], "
-                        "\"widths\": [32, 32], \"heads\": 2}'; a model-name key holds keywords "
-                        "for that model only, e.g. '{\"attention-gat\": {\"match_tol\": 0.2}}'")
-    g.add_argument("--train-args", default="", metavar="'FLAGS'",
-                   help="further qsv-train flags for every run, e.g. "
-                        "'--warmup-epochs 1 --amp bf16' (a lone flag needs the = form: "
-                        "--train-args=--compile)")
-
-    g = p.add_argument_group("runner")
-    g.add_argument("--launcher", choices=LAUNCHERS, default="subprocess",
-                   help="run each training in a fresh subprocess (default) or in this process")
-    g.add_argument("--overwrite", action="store_true",
-                   help="delete and retrain runs whose saved configuration differs")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar over the runs (default: on)")
-    return p
-
-
-def _train_args(text: str) -> Tuple[str, ...]:
-    """Split and check ``--train-args``: valid trainer flags, none the runner sets."""
-    try:
-        args = tuple(shlex.split(text))
-    except ValueError as exc:
-        raise ExperimentError(f"--train-args: {exc}") from None
-    if not args:
-        return ()
-    parser = train_cli.build_parser()
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            given = vars(parser.parse_args(["--model", "qsv", *args]))
-    except SystemExit:
-        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-        raise ExperimentError(f"--train-args {text!r}: "
-                              f"{lines[-1] if lines else 'rejected by qsv-train'}") from None
-    given.pop("model")
-    reserved = sorted(_RESERVED_TRAIN_FIELDS & set(given))
-    if reserved:
-        names = ", ".join("--" + k.replace("_", "-") for k in reserved)
-        raise ExperimentError(f"--train-args may not contain {names}: the runner sets these "
-                              "itself (use its own options, or the table rows for ablations)")
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``examples/reproduce.py``.
-
-    Args:
-        argv: arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code (see the module docstring).
-    """
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse printed usage and the error
-        return exc.code if isinstance(exc.code, int) else 2
-    from . import report  # matplotlib is only needed once there is something to report
-
-    table = get_table(args.table)
-    try:
-        rows = [r.slug for r in table.select(args.rows)]
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    try:
-        if args.report_only:
-            paths = report.write_report(table, args.out_root, rows=rows, seeds=args.seeds)
-            print(f"report: {paths['table.md'].parent}")
-            return 0
-        if args.budget_minutes is None:
-            raise ExperimentError("--budget-minutes is required to train (or pass --report-only)")
-        data_dir = args.data_dir or os.environ.get("QSV_DATA_DIR")
-        if not data_dir:
-            raise ExperimentError("--data-dir is required (or set $QSV_DATA_DIR)")
-        if not Path(data_dir).expanduser().is_dir():
-            raise ExperimentError(f"--data-dir {data_dir}: no such folder")
-        settings = RunSettings(
-            budget_minutes=args.budget_minutes,
-            data_dir=str(Path(data_dir).expanduser().resolve()), dataset=args.dataset,
-            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, subset=args.subset,
-            test_subset=args.test_subset, device=args.device,
-            model_overrides=args.model_overrides, train_args=_train_args(args.train_args))
-        seeds = args.seeds if args.seeds is not None else [0]
-        results = run_table(table, seeds, args.out_root, settings, rows=rows,
-                            launcher=args.launcher, overwrite=args.overwrite,
-                            progress=args.progress)
-        paths = report.write_report(table, args.out_root, rows=rows, seeds=seeds)
-    except ExperimentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ExperimentInterrupted as exc:
-        print(str(exc), file=sys.stderr)
-        return 130
-    failed = [r for r in results if r.status == "failed"]
-    counts = {s: sum(r.status == s for r in results)
-              for s in ("trained", "resumed", "reused", "failed")}
-    print(f"{table.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-          + f"; report in {paths['table.md'].parent}")
-    for r in failed:
-        print(f"failed: {r.spec.name}: {r.message}", file=sys.stderr)
-    return 1 if failed else 0

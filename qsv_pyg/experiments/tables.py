@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from qsv_pyg.training.config import ABLATION_FLAGS
+from qsv_pyg.training.config import ROW, ablation_fields, fields_with_role, to_argv
 
 #: Training fields a row may switch besides the ablations (optimiser settings of
 #: the quaternion field); everything else is the same for every row of a table.
-ROW_TRAIN_FIELDS = ("field_lr_scale", )
+ROW_TRAIN_FIELDS = fields_with_role(ROW)
 
 __all__ = [
     "ABLATIONS",
@@ -88,7 +88,7 @@ class Row:
         label: human-readable row label of the table.
         model: registered model name (see :func:`qsv_pyg.models.available_models`).
         switches: ablation fields of :class:`~qsv_pyg.training.config.TrainConfig`
-            (keys of :data:`~qsv_pyg.training.config.ABLATION_FLAGS`, or one of
+            (see :func:`~qsv_pyg.training.config.ablation_fields`, or one of
             :data:`ROW_TRAIN_FIELDS`) and their values.
         paper: what the paper reports for the row.
     """
@@ -100,23 +100,15 @@ class Row:
     paper: PaperValue = PaperValue()
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.switches) - set(ABLATION_FLAGS) - set(ROW_TRAIN_FIELDS))
+        known = set(ablation_fields()) | set(ROW_TRAIN_FIELDS)
+        unknown = sorted(set(self.switches) - known)
         if unknown:
             raise ValueError(f"row {self.slug!r}: unknown switch(es) {unknown}; known: "
-                             f"{sorted(ABLATION_FLAGS)}")
+                             f"{sorted(known)}")
 
     def flags(self) -> List[str]:
         """The switches as ``qsv-train`` flags, e.g. ``["--routing", "uniform"]``."""
-        out: List[str] = []
-        for name, value in self.switches.items():
-            flag = (ABLATION_FLAGS[name][0] if name in ABLATION_FLAGS
-                    else "--" + name.replace("_", "-"))
-            if isinstance(value, bool):
-                # Boolean switches are BooleanOptionalAction flags.
-                out.append(flag if value else "--no-" + flag[2:])
-            else:
-                out += [flag, str(value)]
-        return out
+        return to_argv(dict(self.switches))
 
     def describe(self) -> str:
         """The switches as text, e.g. ``"routing=uniform, transport=identity"``."""

@@ -44,6 +44,9 @@ GEOMETRIES = HIERARCHY_KINDS
 #: ``quat_source`` it selects.
 QUAT_SOURCE_TO_CONV = {"field": "given", "features": "features", "both": "composed"}
 QUAT_SOURCES = tuple(QUAT_SOURCE_TO_CONV)
+#: Options of the quaternion field, which ``quat_source="features"`` does not have.
+FIELD_OPTIONS = ("frozen_field", "field_init", "field_per_head", "repulsion_k",
+                 "repulsion_weight")
 
 #: The paper's model: 16 heads per shell, one quaternion per node and head. At
 #: width 64 each head reads one 4-channel block; the widths give ≈0.57M parameters.
@@ -242,11 +245,17 @@ class GraphNet(ImageClassifier):
         if opts["quat_source"] not in QUAT_SOURCES:
             raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
                              f"choose one of {QUAT_SOURCES}")
+        ignored = [k for k in FIELD_OPTIONS if given[k] is not None]
+        if opts["quat_source"] == "features" and ignored:
+            raise ValueError(f"{', '.join(map(repr, ignored))} configure the quaternion field, "
+                             "which quat_source='features' does not have")
         return opts
 
     @staticmethod
     def _check_widths(widths: Sequence[int], num_levels: int, conv: str,
                       heads: int) -> tuple:
+        if not is_positive_int(heads):
+            raise ValueError(f"heads must be a positive int, got {heads!r}")
         widths = tuple(int(w) for w in widths)
         if len(widths) != num_levels:
             raise ValueError(f"widths has {len(widths)} entries but the hierarchy has "

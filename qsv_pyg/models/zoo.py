@@ -13,7 +13,8 @@ silently training the default model.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Iterable, Tuple
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 from ..geometry import (
     Hierarchy,
@@ -24,7 +25,7 @@ from ..geometry import (
 )
 from .graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS, GraphNet
 from .matching import count_parameters, match_width, scale_widths
-from .registry import register_model
+from .registry import available_models, register_model
 
 # Overrides every graph model takes (geometry knobs are added per model).
 SHARED = ("k_cross", "k_inner", "heads", "patch_size", "image_size", "mlp_ratio",
@@ -37,6 +38,14 @@ CONTROL_KEYS = ("widths", "qsv_widths", "qsv_heads", "match_tol")
 #: QSV moved to the paper's 16 heads (16 heads of 4-8 channels would be a choice
 #: against dot-product attention, which the matched comparison must not make).
 CONTROL_HEADS = 4
+
+# Overrides each family of graph models accepts.
+_ACCEPTS = {
+    "qsv": frozenset(SHARED + SHELL_KEYS + QSV_KEYS),
+    "lattice": frozenset(SHARED + LATTICE_KEYS + QSV_KEYS),
+    "attention": frozenset(SHARED + SHELL_KEYS + CONTROL_KEYS),
+}
+_GRAPH_KEYS = frozenset().union(*_ACCEPTS.values())
 
 
 def _check_overrides(model: str, overrides: Dict[str, Any], accepted: Iterable[str]) -> None:
@@ -185,3 +194,79 @@ def attention_gatv2(num_classes: int = 10, **overrides) -> GraphNet:
 def attention_transformer(num_classes: int = 10, **overrides) -> GraphNet:
     """QSV's network with ``TransformerConv``; see :func:`attention_gat`."""
     return _control("transformer", "attention-transformer", num_classes, overrides)
+
+
+# ---------------------------------------------------------------------------- shared overrides
+
+
+def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """The keywords of ``model`` that one shared description of the graph models gives.
+
+    A CPU-scale study shrinks every graph model the same way, but the models
+    spell some sizes differently; the shared description is translated:
+
+    * ``qsv``: used as given.
+    * ``lattice``: ``shell_sizes`` become ``lattice_sides`` (square roots: a
+      grid with the shells' node counts; the sizes must be perfect squares unless
+      ``lattice_sides`` is given); ``shell_radii`` is dropped.
+    * ``attention-*``: ``widths`` become ``qsv_widths``, so the control is
+      parameter-matched to the QSV model of those widths, as at full scale;
+      QSV-only keywords (routing, field, β, repulsion) are dropped.
+    * other models (``resnet20``): nothing of the shared part.
+
+    A key equal to a model name holds a dict of keywords for that model only,
+    applied last and as given (e.g. ``{"attention-gat": {"match_tol": 0.2}}``).
+
+    Args:
+        model: a registered model name.
+        overrides: the shared description (e.g. ``--model-overrides`` of
+            ``examples/reproduce.py``).
+
+    Returns:
+        The keyword arguments for ``build_model(model, ...)``.
+
+    Raises:
+        ValueError: a key no graph model accepts, a per-model entry that is not
+            a dict, or shell sizes without square roots for the lattice.
+    """
+    models = set(available_models())
+    common = {k: v for k, v in overrides.items() if k not in models}
+    unknown = sorted(set(common) - _GRAPH_KEYS)
+    if unknown:
+        raise ValueError(
+            f"--model-overrides: unknown key(s) {', '.join(map(repr, unknown))}; graph-model "
+            f"keys: {', '.join(sorted(_GRAPH_KEYS))}; or a model name "
+            f"({', '.join(sorted(models))}) mapping to that model's own keywords")
+    for name in models & set(overrides):
+        if not isinstance(overrides[name], dict):
+            raise ValueError(f"--model-overrides: {name!r} must map to an object of "
+                             f"keywords, got {overrides[name]!r}")
+    nested = dict(overrides.get(model, {}))
+
+    kind = "attention" if model.startswith("attention-") else model
+    accepted = _ACCEPTS.get(kind)
+    if accepted is None:
+        return nested
+    if kind == "lattice" and "shell_sizes" in common and "lattice_sides" not in common \
+            and "lattice_sides" not in nested:
+        common["lattice_sides"] = _square_sides(common["shell_sizes"])
+    if kind == "attention" and "widths" in common and "qsv_widths" not in common:
+        common["qsv_widths"] = common.pop("widths")
+    out = {k: v for k, v in common.items() if k in accepted}
+    if kind == "attention" and "widths" in nested:
+        out.pop("qsv_widths", None)  # explicit control widths: no matching
+    out.update(nested)
+    return out
+
+
+def _square_sides(sizes: Any) -> List[int]:
+    try:
+        sides = [math.isqrt(int(n)) for n in sizes]
+        ok = all(s * s == int(n) for s, n in zip(sides, sizes))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"--model-overrides: the lattice needs square node counts to mirror shell_sizes "
+            f"{sizes!r}; add \"lattice\": {{\"lattice_sides\": [...]}} to --model-overrides")
+    return sides

@@ -7,17 +7,22 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
+                         min_progress: float = 0.0) -> float:
     """LR multiplier at optimiser step ``step`` (0-based).
 
     * ``step < warmup_steps``: ``(step + 1) / warmup_steps``, rising linearly to 1
       (starting at ``1/warmup_steps`` rather than 0 so the first step is not wasted).
     * afterwards: cosine from 1 down to ``min_lr_ratio``, reached at
       ``step == total_steps`` and held beyond it.
+
+    ``min_progress`` moves the cosine at least that far (a fraction of the decay
+    in ``[0, 1]``): ``--anneal-to-budget`` passes the used fraction of the time
+    budget, so the decay ends with the epochs or the budget, whichever ends first.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, max(min_progress, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
