@@ -125,10 +125,6 @@ class RunSettings:
         """Fields that a resumed run may (and should) repeat: device, data folder, no bars."""
         return {"device": self.device, "progress": False, "data_dir": self.data_dir}
 
-    def location_flags(self) -> List[str]:
-        """:meth:`location` as ``qsv-train`` flags."""
-        return to_argv(self.location())
-
     def fields(self) -> Dict[str, Any]:
         """Configuration fields of a fresh run shared by every row, except model overrides.
 
@@ -379,8 +375,8 @@ def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -
             raise ExperimentError(f"{spec.name}: cannot read its checkpoint to resume ({exc}); "
                                   "rerun with --overwrite to start it again") from None
         remaining = max(spec.config.time_budget - used, _MIN_RESUME_MINUTES)
-        argv = (["--resume", "--out-dir", str(spec.out_dir),
-                 *to_argv({"time_budget": round(remaining, 4)})] + settings.location_flags())
+        argv = ["--resume", *to_argv({"out_dir": str(spec.out_dir),
+                                      "time_budget": round(remaining, 4), **settings.location()})]
     else:
         argv = list(spec.argv)
     started = time.time()

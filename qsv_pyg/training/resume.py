@@ -228,11 +228,11 @@ def restore(state: Dict[str, Any], rank: int, optimizer: torch.optim.Optimizer, 
                           f"its position at step {step}; the checkpoint is damaged")
     for what, load, value in (("optimizer", optimizer.load_state_dict, state["optimizer"]),
                               ("scheduler", scheduler.load_state_dict, sched),
-                              ("gradient scaler", scaler.load_state_dict, state["scaler"]),
+                              ("gradient scaler", scaler.load_state_dict, state.get("scaler")),
                               ("RNG", restore_rng_state, state["rng"][rank])):
         try:
             load(value)
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:
+        except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as err:
             reason = " ".join(str(err).split()) or type(err).__name__
             raise ConfigError(f"the checkpoint's {what} state does not fit this run "
                               f"({reason})") from None

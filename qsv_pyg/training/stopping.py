@@ -102,9 +102,12 @@ class InterruptFlag:
         name = signal.Signals(signum).name
         # os.write, not print: a handler must not re-enter buffered stdout.
         if self._saving:
+            again = self.requested
             self.requested = True
-            os.write(2, f"\n{name} received while the checkpoint is being written: ignored "
-                        "until the save completes\n".encode())
+            os.write(2, (f"\n{name} received again while the checkpoint is being written: "
+                         "ignored until the save completes\n" if again else
+                         f"\n{name} received while a checkpoint is being written: stopping "
+                         "after the save, at the next step boundary\n").encode())
             return
         if self.requested and not self.distributed:
             raise KeyboardInterrupt

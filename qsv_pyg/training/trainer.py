@@ -1,8 +1,9 @@
 """The training loop: data, model, optimiser, schedule, epochs, checkpoints.
 
 Read :func:`train` and then :func:`_fit` top to bottom, in the spirit of
-nanoGPT's ``train.py``: :func:`_build` sets a run up in numbered steps, the loop
-trains, evaluates, logs and checkpoints, :func:`_finish` writes the metrics.
+nanoGPT's ``train.py``: :func:`~qsv_pyg.training.setup.build_run` sets a run up
+in numbered steps, the loop trains, evaluates, logs and checkpoints, and
+:func:`_finish` writes the metrics.
 One run writes into ``cfg.out_dir`` (the files are described in
 :mod:`~qsv_pyg.training.run_files`)::
 
