@@ -45,6 +45,7 @@ from . import fields as _fields
 from .fields import RESUME, ROW, SHARED, TABLE, ConfigError, flag_of, option
 from .optim import BACKENDS
 from .presets import AUTO_PRESETS, CPU_SCALE_MODEL_ARGS, CPU_SCALE_SCHEDULE, PRESETS
+from .run_files import write_text
 
 __all__ = [
     "AMP_MODES",
@@ -235,7 +236,6 @@ class TrainConfig:
 
     def save(self, path: "str | os.PathLike[str]") -> None:
         """Write :meth:`to_json` to ``path`` atomically."""
-        from .run_files import write_text  # the run folder's one atomic writer
         write_text(path, self.to_json() + "\n")
 
     @classmethod
