@@ -209,8 +209,9 @@ def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, A
     * ``lattice``: ``shell_sizes`` become ``lattice_sides`` (square roots: a
       grid with the shells' node counts; the sizes must be perfect squares unless
       ``lattice_sides`` is given); ``shell_radii`` is dropped.
-    * ``attention-*``: ``widths`` become ``qsv_widths``, so the control is
-      parameter-matched to the QSV model of those widths, as at full scale;
+    * ``attention-*``: ``widths`` and ``heads`` become ``qsv_widths`` and
+      ``qsv_heads``, so the control is parameter-matched to the QSV model of those
+      widths and heads, as at full scale, with its own head count;
       QSV-only keywords (routing, field, β, repulsion) are dropped.
     * other models (``resnet20``): nothing of the shared part.
 
@@ -252,6 +253,8 @@ def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, A
         common["lattice_sides"] = _square_sides(common["shell_sizes"])
     if kind == "attention" and "widths" in common and "qsv_widths" not in common:
         common["qsv_widths"] = common.pop("widths")
+    if kind == "attention" and "heads" in common and "qsv_heads" not in common:
+        common["qsv_heads"] = common.pop("heads")  # the controls keep their own heads
     out = {k: v for k, v in common.items() if k in accepted}
     if kind == "attention" and "widths" in nested:
         out.pop("qsv_widths", None)  # explicit control widths: no matching
