@@ -8,7 +8,7 @@ import torch
 
 from qsv_pyg.models import build_model
 from qsv_pyg.models.matching import count_parameters
-from qsv_pyg.training import trainer
+from qsv_pyg.training import stopping
 from qsv_pyg.training.cli import main
 from qsv_pyg.training.config import CPU_SCALE_MODEL_ARGS, PRESETS, ConfigError, preset_config
 from qsv_pyg.training.checkpoint import load_checkpoint
@@ -92,7 +92,7 @@ def test_eval_marks_are_logged_and_not_charged_to_the_budget(data_dir, tmp_path,
         fake["cpu"] += 3.0  # every clock read "burns" 3 CPU-seconds
         return fake["cpu"]
 
-    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
     out = tmp_path / "run"
     args = [*TINY_QSV, "--data-dir", str(data_dir), "--out-dir", str(out), "--epochs", "50",
             "--batch-size", "8", "--device", "cpu", "--no-progress", "--time-budget", "1",
