@@ -35,15 +35,10 @@ from qsv_pyg.training.config import (
 )
 from qsv_pyg.training.presets import AUTO_PRESETS, resolve_auto_preset
 
-from tiny_cifar import write_tiny_cifar10  # noqa: E402
+from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 N_TRAIN, N_TEST, BATCH = 64, 32, 16  # 4 steps per epoch
-
-# A QSV GraphNet small enough for a whole epoch to take milliseconds.
-TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg", "widths=[16,16]",
-            "--model-arg", "heads=2", "--model-arg", "k_cross=4", "--model-arg", "k_inner=4",
-            "--model-arg", "within_rounds=1", "--model-arg", "repulsion_k=4"]
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -6,6 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
+#: ``qsv-train`` flags of a QSV GraphNet small enough for a whole epoch to take milliseconds.
+TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg", "widths=[16,16]",
+            "--model-arg", "heads=2", "--model-arg", "k_cross=4", "--model-arg", "k_inner=4",
+            "--model-arg", "within_rounds=1", "--model-arg", "repulsion_k=4"]
+
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
            "truck"]
 

@@ -15,15 +15,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
-from tiny_cifar import write_tiny_cifar10  # noqa: E402
+from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
 from qsv_pyg.experiments.cli import main as reproduce_main  # noqa: E402
 from qsv_pyg.training.cli import main  # noqa: E402
 from qsv_pyg.training.config import resume_overridable  # noqa: E402
 
-TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg", "widths=[16,16]",
-            "--model-arg", "heads=2", "--model-arg", "k_cross=4", "--model-arg", "k_inner=4",
-            "--model-arg", "within_rounds=1"]
+# The tiny QSV model without repulsion_k: quat_source="features" has no field to repel.
+assert TINY_QSV[-1].startswith("repulsion_k=")
+SMALL_QSV = TINY_QSV[:-2]
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +84,14 @@ def test_reproduce_refuses_train_args_the_table_controls(data_dir, tmp_path, cap
 def test_qsv_flags_the_quaternion_source_ignores_are_refused(data_dir, tmp_path, capsys, extra,
                                                              named):
     out = tmp_path / "run"
-    assert main(train_args(data_dir, out, *extra, model=TINY_QSV)) == 2
+    assert main(train_args(data_dir, out, *extra, model=SMALL_QSV)) == 2
     one_line_error(capsys, named, "features")
     assert not out.exists()
 
 
 def test_quat_source_features_alone_still_trains(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(train_args(data_dir, out, "--quat-source", "features", model=TINY_QSV)) == 0
+    assert main(train_args(data_dir, out, "--quat-source", "features", model=SMALL_QSV)) == 0
     assert json.loads((out / "metrics.json").read_text())["model"] == "qsv"
 
 
@@ -107,7 +107,7 @@ def test_quat_source_features_alone_still_trains(data_dir, tmp_path, capsys):
 ])
 def test_bad_values_exit_2_with_one_line(data_dir, tmp_path, capsys, extra, needle):
     out = tmp_path / "run"
-    assert main(train_args(data_dir, out, *extra, model=TINY_QSV)) == 2
+    assert main(train_args(data_dir, out, *extra, model=SMALL_QSV)) == 2
     one_line_error(capsys, needle)
 
 

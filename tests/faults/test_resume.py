@@ -18,14 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
-from tiny_cifar import write_tiny_cifar10  # noqa: E402
+from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
 from qsv_pyg.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from qsv_pyg.training.cli import main  # noqa: E402
 
-TINY_QSV = ["--model", "qsv", "--model-arg", "shell_sizes=[16,8]", "--model-arg", "widths=[16,16]",
-            "--model-arg", "heads=2", "--model-arg", "k_cross=4", "--model-arg", "k_inner=4",
-            "--model-arg", "within_rounds=1", "--model-arg", "repulsion_k=4"]
 
 
 @pytest.fixture(scope="module")
