@@ -121,7 +121,7 @@ def test_budget_count_and_marks_continue_across_a_resume(data_dir, tmp_path, mon
         fake["cpu"] += 3.0
         return fake["cpu"]
 
-    monkeypatch.setattr(trainer, "_process_clock", cpu_clock)
+    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
     out = tmp_path / "run"
     common = ["--data-dir", str(data_dir), "--device", "cpu", "--no-progress"]
     assert main([*TINY_QSV, *common, "--out-dir", str(out), "--epochs", "50", "--batch-size",

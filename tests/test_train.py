@@ -164,7 +164,8 @@ def test_auto_preset_picks_the_scale_from_the_device(data_dir, tmp_path, capsys)
     name, why = resolve_auto_preset("auto-qsv", "cuda")
     assert name == "paper-qsv" and "300 epochs" in why
     cfg, _ = config_from_args({"config": "auto-resnet20", "device": "cpu"})
-    assert cfg.preset == "cpu-resnet20" and cfg.time_budget == PRESETS["cpu-resnet20"]["time_budget"]
+    assert cfg.preset == "cpu-resnet20"
+    assert cfg.time_budget == PRESETS["cpu-resnet20"]["time_budget"]
     out = tmp_path / "run"
     run_ok(["--config", "auto-resnet20", "--device", "cpu", "--data-dir", str(data_dir),
             "--out-dir", str(out), "--subset", "16", "--test-subset", "16", "--batch-size", "16",

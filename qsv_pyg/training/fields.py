@@ -12,8 +12,8 @@ import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["ConfigError", "RESUME", "ROW", "SHARED", "TABLE", "check_value", "field_kind", "flag_of",
-           "option", "to_argv"]
+__all__ = ["ConfigError", "RESUME", "ROW", "SHARED", "TABLE", "all_finite", "check_value",
+           "field_kind", "flag_of", "is_number", "option", "to_argv"]
 
 #: Role: may differ when resuming (where and how fast a run goes, not what it computes).
 RESUME = "resume"

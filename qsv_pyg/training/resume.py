@@ -21,7 +21,7 @@ import hashlib
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import torch
@@ -31,8 +31,8 @@ from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
 from .config import ConfigError, TrainConfig, flag_of, resume_overridable
 from .state import LoopState, empty_partial
 
-__all__ = ["check_data", "config_for_resume", "data_facts", "read_training_checkpoint",
-           "restore", "restore_model"]
+__all__ = ["budget_so_far", "check_data", "config_for_resume", "data_facts",
+           "load_for_resume", "read_training_checkpoint", "restore", "restore_model"]
 
 _REQUIRED = ("config", "model", "optimizer", "epoch", "batch", "rng")
 
@@ -118,6 +118,13 @@ def load_for_resume(path: "str | os.PathLike[str]", cfg: TrainConfig,
     return state
 
 
+def budget_so_far(state: Dict[str, Any]) -> Tuple[float, float]:
+    """``(budget-clock seconds used, seconds of mark evaluations)`` by the run so far
+    (zeros for checkpoints written before the count was kept)."""
+    return (float(state.get("budget_used_s", 0.0)),
+            float(state.get("budget_eval_seconds", 0.0)))
+
+
 # ---------------------------------------------------------------------------- the data
 
 
@@ -193,8 +200,8 @@ def restore_model(model: nn.Module, state: Dict[str, Any], name: str) -> None:
         raise ConfigError("the checkpoint's model state is not a state dict")
     missing = sorted(set(mine) - set(weights))
     unexpected = sorted(set(weights) - set(mine))
-    shapes = sorted(k for k in set(mine) & set(weights)
-                    if not isinstance(weights[k], torch.Tensor) or weights[k].shape != mine[k].shape)
+    shapes = sorted(k for k in set(mine) & set(weights) if not isinstance(
+        weights[k], torch.Tensor) or weights[k].shape != mine[k].shape)
     if missing or unexpected or shapes:
         parts = [f"{len(v)} {what} (e.g. {v[0]!r})" for what, v in (
             ("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if v]

@@ -22,7 +22,8 @@ def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_lr_
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, max(min_progress, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    by_steps = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(min_progress, by_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -159,6 +159,10 @@ def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: Di
     # ---------------------------------------------------------------- 7. wrap for speed / DDP
     train_model, eval_model = _wrap(model, cfg, dist_info, device, find_unused)
 
+    # The run's budget count continues across resumes (for marks and the runner).
+    budget = TimeBudget(cfg.time_budget, cfg.budget_clock, t_start,
+                        *resuming.budget_so_far(ckpt) if ckpt is not None else ())
+
     # ---------------------------------------------------------------- 8. files
     backend = optimizer_backend(optimizer)
     if is_main:
@@ -173,8 +177,8 @@ def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: Di
         test_loader=test_loader, steps_per_epoch=steps_per_epoch, data_facts=facts,
         optimizer=optimizer, scheduler=scheduler, scaler=scaler, backend=backend,
         warmup_steps=warmup_steps, total_steps=total_steps,
-        budget=TimeBudget(cfg.time_budget, cfg.budget_clock, t_start, state.eval_charge),
-        anneal=bool(cfg.anneal_to_budget and cfg.time_budget), marks=_marks_left(cfg, state))
+        budget=budget, anneal=bool(cfg.anneal_to_budget and cfg.time_budget),
+        marks=_marks_left(cfg, state, budget))
     return run, state
 
 
@@ -219,10 +223,12 @@ def _write_run_start(out_dir: Path, cfg: TrainConfig, state: LoopState) -> None:
     write_text(out_dir / CONFIG_NAME, cfg.to_json() + "\n")
 
 
-def _marks_left(cfg: TrainConfig, state: LoopState) -> List[float]:
-    """Budget marks (``--eval-at-minutes``) within the budget not evaluated yet."""
+def _marks_left(cfg: TrainConfig, state: LoopState, budget: TimeBudget) -> List[float]:
+    """Budget marks (``--eval-at-minutes``, counted over the whole run) that this
+    process's budget reaches and that were not evaluated yet."""
     done = {e["minutes"] for e in state.budget_evals}
-    return [m for m in cfg.eval_at_minutes if m < (cfg.time_budget or 0) and m not in done]
+    end = budget.used_before + 60.0 * (cfg.time_budget or 0)
+    return [m for m in cfg.eval_at_minutes if 60.0 * m < end and m not in done]
 
 
 def _place(device: torch.device, dist_info: DistInfo) -> torch.device:

@@ -41,8 +41,6 @@ class LoopState:
         total_seconds: training and evaluation time of the finished epochs.
         last_eval: the last end-of-epoch losses and accuracies.
         budget_evals: test evaluations at marks of the budget clock.
-        eval_charge: budget-clock seconds those evaluations took (not charged
-            to the time budget).
     """
 
     epoch: int = 0
@@ -52,7 +50,6 @@ class LoopState:
     total_seconds: float = 0.0
     last_eval: Optional[Dict[str, Any]] = None
     budget_evals: List[Dict[str, Any]] = field(default_factory=list)
-    eval_charge: float = 0.0
 
     def step(self, steps_per_epoch: int) -> int:
         """The global optimiser step of the position."""
@@ -63,20 +60,19 @@ class LoopState:
         rank by the caller and stored as a list)."""
         return {"epoch": self.epoch, "batch": self.batch, "best": dict(self.best),
                 "total_seconds": self.total_seconds, "last_eval": self.last_eval,
-                "budget_evals": list(self.budget_evals), "eval_charge": self.eval_charge}
+                "budget_evals": list(self.budget_evals)}
 
     @classmethod
     def from_checkpoint(cls, state: Dict[str, Any], rank: int) -> "LoopState":
         """The state a checkpoint holds for process ``rank``.
 
-        ``budget_evals`` and ``eval_charge`` are optional (checkpoints written
-        before evaluations at budget marks existed).
+        ``budget_evals`` is optional (checkpoints written before evaluations at
+        budget marks existed).
         """
         return cls(epoch=int(state["epoch"]), batch=int(state["batch"]),
                    partial=dict(state["partial"][rank]), best=dict(state["best"]),
                    total_seconds=float(state["total_seconds"]), last_eval=state["last_eval"],
-                   budget_evals=list(state.get("budget_evals", [])),
-                   eval_charge=float(state.get("eval_charge", 0.0)))
+                   budget_evals=list(state.get("budget_evals", [])))
 
     def finish_epoch(self, stats: Dict[str, Any], seconds: float) -> None:
         """Record a finished epoch's evaluation and move to the next epoch."""

@@ -41,39 +41,61 @@ def process_clock() -> float:
 class TimeBudget:
     """A budget of ``minutes`` on the wall clock or on this process's CPU time.
 
-    Time spent on evaluations at budget marks (``--eval-at-minutes``) is
-    *charged off* (:attr:`charge`): it moves the deadline instead of using the
-    budget.
+    The budget counts per process: a resumed run gets the ``--time-budget`` it is
+    given (the experiment runner passes the rest). The *run's* count, across
+    resumes, is :meth:`run_seconds`, which checkpoints keep. Time spent on
+    evaluations at budget marks (``--eval-at-minutes``) is *charged off*
+    (:attr:`charge`): it moves the deadline instead of using the budget.
 
     Args:
-        minutes: the budget; ``None`` for no budget.
+        minutes: the budget of this process; ``None`` for no budget.
         clock: ``"wall"`` (elapsed since ``t_start``) or ``"process"`` (CPU
             seconds of this process since it started; with a fixed thread count
             runs then get equal compute even when other work shares the machine).
-        t_start: :func:`wall_clock` reading when the run started.
-        charge: seconds already charged off (from a checkpoint).
+        t_start: :func:`wall_clock` reading when the process started the run.
+        used_before: budget-clock seconds the run used in earlier processes.
+        eval_before: seconds of mark evaluations in earlier processes.
     """
 
     def __init__(self, minutes: Optional[float], clock: str, t_start: float,
-                 charge: float = 0.0):
-        self.minutes, self.clock, self.charge = minutes, clock, charge
+                 used_before: float = 0.0, eval_before: float = 0.0):
+        self.minutes, self.clock = minutes, clock
+        self.used_before, self.eval_before = used_before, eval_before
+        self.charge = 0.0  # mark evaluations of this process
         self.origin = t_start if clock == "wall" else 0.0
+        self.last = self.origin  # the latest reading
 
     def now(self) -> float:
-        """The current reading of the budget's clock."""
-        return wall_clock() if self.clock == "wall" else process_clock()
+        """Read the budget's clock."""
+        self.last = wall_clock() if self.clock == "wall" else process_clock()
+        return self.last
 
     def elapsed(self) -> float:
-        """Seconds of the budget used so far (clock time less the charged-off time)."""
+        """Seconds of this process's budget used (clock time less the charged-off time)."""
         return self.now() - self.origin - self.charge
 
     def used(self) -> float:
-        """Fraction of the budget used so far (``0`` without a budget)."""
+        """Fraction of this process's budget used (``0`` without a budget)."""
         return self.elapsed() / (60.0 * self.minutes) if self.minutes else 0.0
 
     def expired(self) -> bool:
         """Whether the budget is used up (never, without a budget)."""
         return bool(self.minutes) and self.now() > self.origin + 60.0 * self.minutes + self.charge
+
+    def run_seconds(self, fresh: bool = True) -> float:
+        """Budget-clock seconds the whole run has used, mark evaluations excluded.
+
+        Args:
+            fresh: read the clock; ``False`` takes the latest reading (the last
+                step boundary's, for a run with a budget), so that saving a
+                checkpoint reads no clock.
+        """
+        now = self.now() if fresh or not self.minutes else self.last
+        return self.used_before + now - self.origin - self.charge
+
+    def eval_seconds(self) -> float:
+        """Seconds of mark evaluations of the whole run."""
+        return self.eval_before + self.charge
 
 
 class InterruptFlag:

@@ -316,7 +316,8 @@ def _save(run: Run, state: LoopState, interrupt: stopping.InterruptFlag) -> None
             "scaler": run.scaler.state_dict(), **state.state_dict(), "partial": partial_all,
             "rng": rng_all, "world_size": run.dist.world_size,
             "steps_per_epoch": run.steps_per_epoch, "optimizer_backend": run.backend,
-            "data": run.data_facts})
+            "data": run.data_facts, "budget_used_s": run.budget.run_seconds(fresh=False),
+            "budget_eval_seconds": run.budget.eval_seconds()})
 
 
 # ============================================================================ schedule
@@ -354,7 +355,7 @@ def _evaluate_at_mark(run: Run, state: LoopState) -> None:
     The evaluation's time is charged off the budget (it moves the deadline), so
     it takes no training time from the run.
     """
-    due = 1 if run.marks and run.budget.elapsed() >= 60.0 * run.marks[0] else 0
+    due = 1 if run.marks and run.budget.run_seconds() >= 60.0 * run.marks[0] else 0
     if run.dist.enabled:
         due = int(all_reduce_max(torch.tensor([due], device=run.device)).item())
     if not due:
@@ -365,9 +366,7 @@ def _evaluate_at_mark(run: Run, state: LoopState) -> None:
              "epoch": state.epoch, "batch": state.batch,
              "step": state.step(run.steps_per_epoch), "betas": betas(run.model)}
     state.budget_evals.append(entry)
-    cost = run.budget.now() - t0
-    state.eval_charge += cost
-    run.budget.charge += cost
+    run.budget.charge += run.budget.now() - t0
     run.say(f"budget mark {entry['minutes']:g} min: test acc {stats['acc']:.4f} "
             f"(epoch {state.epoch + 1}, batch {state.batch}/{run.steps_per_epoch})")
 
@@ -420,7 +419,8 @@ def _finish(run: Run, state: LoopState, last_train: Optional[Dict[str, float]],
         "compile": cfg.compile, "train_images": run.data_facts["train_images"],
         "test_images": run.data_facts["test_images"], "betas": betas(run.model),
         "torch": torch.__version__, "budget_evals": state.budget_evals,
-        "budget_eval_seconds": state.eval_charge,
+        "budget_used_s": run.budget.run_seconds(),
+        "budget_eval_seconds": run.budget.eval_seconds(),
         "wall_seconds_this_process": stopping.wall_clock() - run.t_start,
     }
     if run.dist.is_main:
