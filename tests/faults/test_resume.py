@@ -4,7 +4,8 @@ Items covered: 2 (resume checks the dataset, its sizes and ``steps_per_epoch``
 and the saved position), 10 (a checkpoint whose model, optimiser, scheduler or
 RNG state belongs to another run, or whose batch is negative, exits 2 with a
 message), 6 (the signal handler stays installed until the save completes; a
-second signal during the save is ignored and says so).
+second signal during the save is ignored and says so), and of 9: a checkpoint
+that cannot be written leaves ``log.jsonl`` at the last checkpoint.
 """
 from __future__ import annotations
 
@@ -184,3 +185,33 @@ def test_second_signal_during_the_save_is_ignored(data_dirs, tmp_path, monkeypat
     monkeypatch.undo()
     state = load_checkpoint(out / "checkpoint.pt")
     assert (state["epoch"], state["batch"]) == (1, 2)  # the interrupt's save completed
+
+
+# ------------------------------------------------------------------ item 9: a save that fails
+
+
+def test_failed_checkpoint_leaves_the_log_at_the_last_checkpoint(data_dirs, tmp_path,
+                                                                 monkeypatch, capsys):
+    import errno
+    import json
+
+    real_save = torch.save
+    saves = {"n": 0}
+
+    def full_disk_on_second_save(*a, **k):
+        saves["n"] += 1
+        if saves["n"] == 2:  # the checkpoint at the end of epoch 2
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk_on_second_save)
+    out = tmp_path / "run"
+    refused(capsys, train_args(data_dirs[0], out, epochs=3), "No space left on device")
+    monkeypatch.undo()
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert (state["epoch"], state["batch"]) == (1, 0)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in log] == [1]  # epoch 2's line was cut back
+    assert main(["--resume", "--out-dir", str(out), "--no-progress"]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in log] == [1, 2, 3]
