@@ -90,7 +90,7 @@ def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: Di
               t_start: float, run_folder: contextlib.ExitStack) -> Tuple[Run, LoopState]:
     """Set a run up; ``run_folder`` holds the out-dir's lock until training ends.
 
-    One function on purpose (about 85 lines): the steps read top to bottom and
+    One function on purpose (over 80 lines): the steps read top to bottom and
     their order matters (the seed before the model, the RNG restored after the
     optimiser is built, the log cut back before ``config.json`` is written).
     """
