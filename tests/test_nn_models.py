@@ -169,3 +169,20 @@ def test_trimmed_layers_slice_node_inputs():
                     num_sampled_edges_per_hop=[3, 3])
     assert trimmed.size(0) == 6  # the last layer sees the seeds and hop 1
     torch.testing.assert_close(trimmed[:3], full[:3])
+
+
+def test_to_hetero():
+    """PyG's to_hetero traces forward with torch.fx: unused inputs are proxies."""
+    from torch_geometric.data import HeteroData
+    from torch_geometric.nn import to_hetero
+
+    data = HeteroData()
+    data["a"].x = torch.randn(6, 8)
+    data["b"].x = torch.randn(5, 8)
+    ei = torch.stack([torch.arange(12) % 6, torch.arange(12) % 5])
+    data["a", "to", "b"].edge_index = ei
+    data["b", "rev", "a"].edge_index = ei.flip(0)
+    model = to_hetero(QSV(-1, 8, 2, 4, jk="cat"), data.metadata())
+    out = model(data.x_dict, data.edge_index_dict)
+    assert out["a"].shape == (6, 4) and out["b"].shape == (5, 4)
+    out["a"].sum().backward()

@@ -162,16 +162,17 @@ class QSV(BasicGNN):
                     ) -> OptTensor:
         """The quaternions every layer receives (``None``: from features)."""
         if self.quat_source == "features":
-            if quat is not None:
+            if isinstance(quat, Tensor):
                 raise ValueError("quat_source='features' computes the quaternions from "
                                  "the features; do not pass quat")
             return None
         if self.quat_source == "field":
-            if quat is not None:
+            if isinstance(quat, Tensor):
                 raise ValueError("quat_source='field' learns the quaternions; do not "
                                  "pass quat")
             assert self.quat_field is not None
-            field = self.quat_field if node_id is None else self.quat_field[node_id]
+            field = self.quat_field if not isinstance(node_id, Tensor) \
+                else self.quat_field[node_id]
             if field.size(0) != num_nodes:
                 raise ValueError(
                     f"the quaternion field has {field.size(0)} rows but the input has "
@@ -213,7 +214,9 @@ class QSV(BasicGNN):
         neither. With ``num_sampled_nodes_per_hop`` the node-wise ``quat``,
         ``pos`` and field rows are trimmed with the features.
         """
-        if edge_weight is not None or edge_attr is not None:
+        # isinstance, not `is not None`: under torch.fx tracing (to_hetero) the
+        # unused optional inputs are proxies.
+        if isinstance(edge_weight, Tensor) or isinstance(edge_attr, Tensor):
             raise ValueError("QSV does not use edge weights or edge features "
                              "(QSVConv routes by the node quaternions)")
         q_all = self._layer_quat(quat, node_id, x.size(0))
@@ -227,7 +230,7 @@ class QSV(BasicGNN):
             # sliced to the current node count.
             n = x.size(0)
             q = None if q_all is None else q_all[:n]
-            p = None if pos is None else pos[:n]
+            p = pos[:n] if isinstance(pos, Tensor) else None
             x = conv(x, edge_index, quat=q, pos=p)
             if i < self.num_layers - 1 or self.jk_mode is not None:
                 if self.act is not None and self.act_first:
