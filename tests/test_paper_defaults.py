@@ -140,3 +140,15 @@ def test_budget_count_and_marks_continue_across_a_resume(data_dir, tmp_path, mon
     from qsv_pyg.experiments.runner import _used_minutes
     # The runner resumes with what the checkpoint counted (saved a clock read earlier).
     assert abs(_used_minutes(out / "checkpoint.pt") - second["budget_used_s"] / 60) <= 0.1
+
+
+def test_list_presets_shows_the_paper_defaults(capsys):
+    assert main(["--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "field_lr_scale=20.0" in out.splitlines()[0]
+    models = out.splitlines()[1]
+    assert "heads=16" in models and "beta_prior=0.79" in models and "beta_prior_weight=0.01" in models
+    frozen = next(line for line in out.splitlines() if line.startswith("paper-qsv-frozen-beta:"))
+    assert "frozen_beta=True" in frozen and "beta_init=5.0" in frozen
+    assert "repulsion_k=16" in next(line for line in out.splitlines()
+                                    if line.startswith("paper-qsv-cifar100:"))

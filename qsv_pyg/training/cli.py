@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from qsv_pyg.data import DataError
 from qsv_pyg.models import available_models
+from qsv_pyg.models.graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig, field_kind, flag_of, preset_config
@@ -172,6 +173,13 @@ def config_from_args(explicit: Dict[str, Any]) -> Tuple[TrainConfig, Optional[st
 
 
 def _print_presets() -> None:
+    # What every preset inherits: the training defaults a preset does not set, and the
+    # QSV model's own defaults (the paper-faithful ones).
+    shown = ("field_lr_scale", "optimizer", "eval_batch_size")
+    print("every preset: " + ", ".join(f"{k}={getattr(TrainConfig(), k)}" for k in shown))
+    qsv = dict(heads=DEFAULT_HEADS, widths=DEFAULT_WIDTHS, **QSV_DEFAULTS)
+    print("qsv and lattice models (unless a preset's model_args say otherwise): "
+          + ", ".join(f"{k}={v}" for k, v in qsv.items()))
     for name in sorted(PRESETS):
         values = ", ".join(f"{k}={v}" for k, v in PRESETS[name].items())
         print(f"{name}: {values}")
