@@ -962,3 +962,21 @@ def test_gradients_match_reference(graph_kind, quat_mode, kernel, make_random_gr
             assert (a is None or not a.any()) and (b is None or not b.any())
         else:
             close(a, b)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_compiled_graph_calls_the_registered_operator(batched, random_graph):
+    import torch._dynamo
+    torch._dynamo.reset()
+    conv = make_conv(16, 3, 2)
+    x, quat, _ = inputs(random_graph.num_nodes, 16, 2, seed=32, batch=2 if batched else None)
+    q = quat[0] if batched else quat
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    compiled = torch.compile(conv, fullgraph=True, backend=backend)
+    close(compiled(x, random_graph.edge_index, quat=q), conv(x, random_graph.edge_index, quat=q))
+    assert torch.ops.qsv_pyg.attend.default in targets or torch.ops.qsv_pyg.attend in targets

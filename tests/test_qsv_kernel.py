@@ -317,3 +317,20 @@ def test_unit_quaternion_gradient():
         unit_quaternion(torch.randn(3, 5))
 
 
+
+
+def test_cpp_kernel_refuses_a_malformed_graph():
+    """The kernel indexes unchecked, so it validates the CSR it is handed (a graph
+    built under torch.compile skips the Python range check)."""
+    if cpu_ext.cpu_kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    g = build_csr(random_graph(6, 6, 12, seed=50), 6, 6)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(6, 6, 2, 1, 4, torch.float32, seed=51)
+    bad_col = g.col.clone()
+    bad_col[3] = 6
+    bad_ptr = g.rowptr.clone()
+    bad_ptr[-1] += 1
+    for rowptr, col, match in ((g.rowptr, bad_col, "out of range"),
+                               (bad_ptr, g.col, "rowptr must run from 0 to E")):
+        with pytest.raises(RuntimeError, match=match):
+            cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, rowptr, col, False, True)

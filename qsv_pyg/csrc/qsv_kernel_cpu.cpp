@@ -322,6 +322,22 @@ void check_index(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kLong, "qsv_kernel_cpu: ", name, " must be int64");
 }
 
+// The kernels index with these arrays unchecked: refuse a malformed graph (one
+// pass over E integers, negligible next to the E * H * M * 4 products).
+void check_graph(const torch::Tensor& rowptr, const torch::Tensor& col, int64_t Ns) {
+  const int64_t* rp = rowptr.data_ptr<int64_t>();
+  const int64_t* c = col.data_ptr<int64_t>();
+  const int64_t Nd = rowptr.size(0) - 1, E = col.size(0);
+  TORCH_CHECK(Nd >= 0 && rp[0] == 0 && rp[Nd] == E, "qsv_kernel_cpu: rowptr must run from 0 to E");
+  for (int64_t i = 0; i < Nd; ++i) {
+    TORCH_CHECK(rp[i] <= rp[i + 1], "qsv_kernel_cpu: rowptr must be non-decreasing");
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(c[e] >= 0 && c[e] < Ns, "qsv_kernel_cpu: source index ", c[e],
+                " out of range [0, ", Ns, ")");
+  }
+}
+
 Dims dims(const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& rowptr,
           bool use_abs, bool rotate) {
   return Dims{v.size(0), rowptr.size(0) - 1, v.size(1), v.size(2), ks.size(2), 0, use_abs,
@@ -342,6 +358,7 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch:
   check_index(col, "col");
   Dims s = dims(v, ks, rowptr, use_abs, rotate);
   const int64_t E = s.E = col.size(0);
+  check_graph(rowptr, col, s.Ns);
   auto opts = v.options();
   auto u = rotate ? torch::empty_like(v) : torch::empty({0}, opts);
   auto y = rotate ? torch::empty({s.Nd, s.H, s.M, 4}, opts) : torch::empty({0}, opts);
