@@ -10,7 +10,8 @@ from qsv_pyg.models import build_model
 from qsv_pyg.models.matching import count_parameters
 from qsv_pyg.training import stopping
 from qsv_pyg.training.cli import main
-from qsv_pyg.training.config import CPU_SCALE_MODEL_ARGS, PRESETS, ConfigError, preset_config
+from qsv_pyg.training.config import (CPU_SCALE_MODEL_ARGS, PRESETS, ConfigError, TrainConfig,
+                                     preset_config)
 from qsv_pyg.training.checkpoint import load_checkpoint
 from qsv_pyg.training.optim import build_optimizer
 from qsv_pyg.training.schedule import warmup_cosine
@@ -74,6 +75,15 @@ def test_field_lr_scale_sets_the_sphere_group_and_survives_the_schedule():
     assert lrs["sphere"] == pytest.approx(5 * lrs["decay"])
     with pytest.raises(ValueError, match="sphere_lr_scale"):
         build_optimizer(model, lr=1e-3, weight_decay=0.0, sphere_lr_scale=0.0)
+
+
+def test_a_config_saved_before_field_lr_scale_keeps_the_old_field_rate():
+    saved = TrainConfig().to_dict()
+    assert saved["field_lr_scale"] == 20.0  # today's default
+    del saved["field_lr_scale"]  # as in a config.json written before the option
+    assert TrainConfig.from_dict(saved).field_lr_scale == 1.0
+    saved["field_lr_scale"] = 5.0
+    assert TrainConfig.from_dict(saved).field_lr_scale == 5.0
 
 
 # ----------------------------------------------------------- evaluations at marks

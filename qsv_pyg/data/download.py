@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import secrets
+import socket
 import tarfile
 import urllib.error
 import urllib.parse
@@ -51,12 +52,14 @@ def local_archive(source: str) -> Path | None:
     return Path(source).expanduser()
 
 
-def fetch(url: str, dest: Path, expected_md5: str, progress: bool = True) -> None:
+def fetch(url: str, dest: Path, expected_md5: str, progress: bool = True,
+          timeout: float = 60.0) -> None:
     """Download ``url`` to ``dest`` and check its md5; ``dest`` is absent or verified.
 
     The bytes go to a temporary file next to ``dest``
     (:func:`torch.hub.download_url_to_file`), which is renamed to ``dest`` only
-    when its md5 matches. A stalled connection is not timed out: interrupt it.
+    when its md5 matches. A connection that delivers nothing for ``timeout``
+    seconds fails as a failed download.
 
     Raises:
         OSError: the download failed (the message says how to proceed offline).
@@ -65,7 +68,13 @@ def fetch(url: str, dest: Path, expected_md5: str, progress: bool = True) -> Non
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.part")
     try:
         try:
-            torch.hub.download_url_to_file(url, str(tmp), progress=progress)
+            # download_url_to_file takes no timeout; its urlopen uses the default one.
+            previous = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(timeout)
+            try:
+                torch.hub.download_url_to_file(url, str(tmp), progress=progress)
+            finally:
+                socket.setdefaulttimeout(previous)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise OSError(

@@ -18,6 +18,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List
 
+from qsv_pyg.training.run_files import atomic_write, write_text
+
+from .figures import save_figure
+
 __all__ = ["BUDGET_FILES", "budget_points", "format_budget_markdown", "plot_budget_curves",
            "write_budget_curves"]
 
@@ -91,7 +95,7 @@ def plot_budget_curves(curves: List[Dict[str, Any]], path: "str | Path") -> None
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -106,9 +110,10 @@ def write_budget_curves(summary: Dict[str, Any], folder: "str | Path") -> Dict[s
         return {}
     folder = Path(folder)
     paths = {name: folder / name for name in BUDGET_FILES}
-    paths["budget_curve.md"].write_text(format_budget_markdown(curves), encoding="utf-8")
+    write_text(paths["budget_curve.md"], format_budget_markdown(curves))
     marks = sorted({m for c in curves for m in c["points"]})
-    with open(paths["budget_curve.csv"], "w", newline="", encoding="utf-8") as f:
+
+    def write_csv(f) -> None:
         writer = csv.writer(f)
         writer.writerow(["slug", "label", "minutes", "n_seeds", "test_acc_mean_pct",
                          "test_acc_per_seed_pct"])
@@ -118,5 +123,7 @@ def write_budget_curves(summary: Dict[str, Any], folder: "str | Path") -> Dict[s
                 writer.writerow([c["slug"], c["label"], m, len(accs),
                                  round(statistics.mean(accs), 2) if accs else "",
                                  ";".join(f"{a:.2f}" for a in accs)])
+
+    atomic_write(paths["budget_curve.csv"], write_csv)
     plot_budget_curves(curves, paths["budget_curve.png"])
     return paths

@@ -13,13 +13,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-__all__ = ["beta_series", "plot_accuracy", "plot_beta_probe"]
+from qsv_pyg.training.run_files import atomic_write
+
+__all__ = ["beta_series", "plot_accuracy", "plot_beta_probe", "save_figure"]
 
 
 def _figure(width: float, height: float):
     # A bare Figure renders through Agg without touching pyplot's global backend.
     from matplotlib.figure import Figure
     return Figure(figsize=(width, height), layout="constrained")
+
+
+def save_figure(fig, path: "str | Path") -> None:
+    """Write ``fig`` as a PNG to ``path`` atomically (a kill leaves the old file)."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
 
 
 def _colors(n: int) -> List[Any]:
@@ -70,7 +77,7 @@ def plot_accuracy(summary: Dict[str, Any], path: "str | Path") -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="best")
     ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def _group_of(layer: str) -> str:
@@ -111,7 +118,7 @@ def plot_beta_probe(summary: Dict[str, Any], path: "str | Path") -> None:
         ax.axis("off")
         ax.text(0.5, 0.5, "no routing temperatures logged\n(no finished epochs of a QSV row)",
                 ha="center", va="center")
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         return
     from matplotlib.ticker import MaxNLocator
     ncols = min(3, len(groups))
@@ -148,4 +155,4 @@ def plot_beta_probe(summary: Dict[str, Any], path: "str | Path") -> None:
                ncols=min(4, len(seen)), fontsize=8)
     fig.suptitle("Routing temperature β per head: mean (line), min–max over heads (band)",
                  fontsize=11)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)

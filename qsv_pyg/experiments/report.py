@@ -35,7 +35,10 @@ from qsv_pyg.training.run_files import (
     CONFIG_NAME,
     LOG_NAME,
     METRICS_NAME,
+    atomic_write,
     read_log,
+    write_json,
+    write_text,
 )
 from qsv_pyg.training.run_files import read_json as _read_json
 
@@ -388,14 +391,17 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
     folder = Path(root) / table.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = {name: folder / name for name in REPORT_FILES}
-    paths["table.md"].write_text(format_markdown(summary), encoding="utf-8")
-    with open(paths["table.csv"], "w", newline="", encoding="utf-8") as f:
+    write_text(paths["table.md"], format_markdown(summary))
+
+    def write_csv(f) -> None:
         writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
         writer.writeheader()
         writer.writerows(_csv_rows(summary))
+
+    atomic_write(paths["table.csv"], write_csv)
     public = dict(summary, rows=[{k: v for k, v in e.items() if not k.startswith("_")}
                                  for e in summary["rows"]])
-    paths["results.json"].write_text(json.dumps(public, indent=2) + "\n", encoding="utf-8")
+    write_json(paths["results.json"], public)
     plot_accuracy(summary, paths["accuracy.png"])
     plot_beta_probe(summary, paths["beta_probe.png"])
     paths.update(write_budget_curves(summary, folder))

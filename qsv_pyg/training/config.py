@@ -223,7 +223,8 @@ class TrainConfig:
         unknown = sorted(set(data) - set(_FIELDS))
         if unknown:
             raise ConfigError(f"unknown configuration key(s) {unknown}; known: {sorted(_FIELDS)}")
-        return cls(**data)
+        # A config saved before a field existed ran with that field's old behaviour.
+        return cls(**{**_BEFORE_FIELD_EXISTED, **data})
 
     def to_json(self) -> str:
         """The configuration as an indented JSON document."""
@@ -316,6 +317,11 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- field queries
 
 _FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: Values that reproduce the behaviour of configs saved before these fields existed
+#: (``config.json`` from older runs lacks them; their defaults have since changed).
+_BEFORE_FIELD_EXISTED: Dict[str, Any] = {"field_lr_scale": 1.0}
+
+
 def field_kind(name: str) -> Tuple[type, bool]:
     """``(type, optional)`` of a field, e.g. ``(float, True)`` for ``Optional[float]``."""
     return _fields.field_kind(_FIELDS[name])

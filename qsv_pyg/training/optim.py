@@ -24,12 +24,13 @@ schedulers and ``state_dict()`` / ``load_state_dict()`` work unchanged.
 from __future__ import annotations
 
 import functools
-import importlib
 from types import ModuleType
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch import nn
+
+from ..utils import import_geoopt
 
 BACKENDS = ("auto", "riemannian", "projected")
 
@@ -41,14 +42,6 @@ _NORM_TYPES: Tuple[type, ...] = tuple(
         nn.GroupNorm,
         getattr(nn, "RMSNorm", None),
     ) if t is not None)
-
-
-def _import_geoopt() -> Optional[ModuleType]:
-    """Return the geoopt module, or ``None`` when it cannot be imported."""
-    try:
-        return importlib.import_module("geoopt")
-    except ImportError:
-        return None
 
 
 @torch.no_grad()
@@ -290,7 +283,7 @@ def build_optimizer(
         raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
     if not (sphere_lr_scale > 0 and sphere_lr_scale < float("inf")):
         raise ValueError(f"sphere_lr_scale must be a positive finite number, got {sphere_lr_scale}")
-    geoopt = _import_geoopt() if backend != "projected" else None
+    geoopt = import_geoopt() if backend != "projected" else None
     if backend == "auto":
         backend = "riemannian" if geoopt is not None else "projected"
     if backend == "riemannian" and geoopt is None:
@@ -322,7 +315,7 @@ def optimizer_backend(opt: torch.optim.Optimizer) -> str:
     backend = getattr(opt, "backend", None)
     if backend in ("riemannian", "projected"):
         return backend
-    geoopt = _import_geoopt()
+    geoopt = import_geoopt()
     if geoopt is not None and isinstance(opt, geoopt.optim.RiemannianAdam):
         return "riemannian"
     raise TypeError(f"{type(opt).__name__} is not a sphere-aware optimiser from build_optimizer()")

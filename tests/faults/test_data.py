@@ -4,13 +4,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
+import socket
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from qsv_pyg.data import DataError, download_cifar, load_cifar
+from qsv_pyg.data.download import fetch
 
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 
@@ -65,6 +68,18 @@ def test_download_error_names_the_flag_that_takes_a_url(tmp_path):
     assert "could not download http://127.0.0.1:9/cifar.tar.gz" in message
     assert "--download-url" in message and "as url" not in message
     assert not any(tmp_path.iterdir())  # no partial download left
+
+
+def test_a_stalled_download_times_out(tmp_path):
+    # A server that accepts the connection and never answers.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/cifar.tar.gz"
+        start = time.monotonic()
+        with pytest.raises(OSError, match="could not download"):
+            fetch(url, tmp_path / "cifar.tar.gz", "0" * 32, progress=False, timeout=0.5)
+        assert time.monotonic() - start < 30
+    assert socket.getdefaulttimeout() is None  # the process-wide default is restored
+    assert not any(tmp_path.iterdir())
 
 
 def make_archive(tmp_path: Path) -> tuple[Path, str]:
