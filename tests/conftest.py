@@ -72,3 +72,22 @@ def make_random_graph():
 @pytest.fixture
 def make_knn_graph():
     return fixed_degree_edge_index
+
+
+@pytest.fixture
+def fake_process_clock(monkeypatch):
+    """``install(step)`` makes the training budget's process clock advance by ``step``
+    CPU-seconds per read; it returns the clock's state (``state["cpu"]``)."""
+    from qsv_pyg.training import stopping
+
+    def install(step: float) -> dict:
+        state = {"cpu": 0.0}
+
+        def clock() -> float:
+            state["cpu"] += step
+            return state["cpu"]
+
+        monkeypatch.setattr(stopping, "process_clock", clock)
+        return state
+
+    return install

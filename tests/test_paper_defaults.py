@@ -8,7 +8,6 @@ import torch
 
 from qsv_pyg.models import build_model
 from qsv_pyg.models.matching import count_parameters
-from qsv_pyg.training import stopping
 from qsv_pyg.training.cli import main
 from qsv_pyg.training.config import (CPU_SCALE_MODEL_ARGS, PRESETS, ConfigError, TrainConfig,
                                      preset_config)
@@ -95,14 +94,9 @@ def test_eval_at_minutes_needs_a_budget():
         preset_config("cpu-qsv", eval_at_minutes=[-1]).validate()
 
 
-def test_eval_marks_are_logged_and_not_charged_to_the_budget(data_dir, tmp_path, monkeypatch):
-    fake = {"cpu": 0.0}
-
-    def cpu_clock():
-        fake["cpu"] += 3.0  # every clock read "burns" 3 CPU-seconds
-        return fake["cpu"]
-
-    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
+def test_eval_marks_are_logged_and_not_charged_to_the_budget(
+        data_dir, tmp_path, fake_process_clock):
+    fake = fake_process_clock(3.0)  # every clock read "burns" 3 CPU-seconds
     out = tmp_path / "run"
     args = [*TINY_QSV, "--data-dir", str(data_dir), "--out-dir", str(out), "--epochs", "50",
             "--batch-size", "8", "--device", "cpu", "--no-progress", "--time-budget", "1",
@@ -124,14 +118,8 @@ def test_eval_marks_are_logged_and_not_charged_to_the_budget(data_dir, tmp_path,
     assert lrs["sphere"] == pytest.approx(2 * lrs["decay"])
 
 
-def test_budget_count_and_marks_continue_across_a_resume(data_dir, tmp_path, monkeypatch):
-    fake = {"cpu": 0.0}
-
-    def cpu_clock():
-        fake["cpu"] += 3.0
-        return fake["cpu"]
-
-    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
+def test_budget_count_and_marks_continue_across_a_resume(data_dir, tmp_path, fake_process_clock):
+    fake = fake_process_clock(3.0)
     out = tmp_path / "run"
     common = ["--data-dir", str(data_dir), "--device", "cpu", "--no-progress"]
     assert main([*TINY_QSV, *common, "--out-dir", str(out), "--epochs", "50", "--batch-size",

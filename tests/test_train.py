@@ -417,15 +417,9 @@ def test_torchrun_two_processes_gloo(data_dir, tmp_path):
     assert state["world_size"] == 2 and len(state["rng"]) == 2
 
 
-def test_process_clock_budget_and_threads(data_dir, tmp_path, monkeypatch):
+def test_process_clock_budget_and_threads(data_dir, tmp_path, fake_process_clock):
     """--budget-clock process stops on this process's CPU time, not wall time."""
-    fake = {"cpu": 0.0}
-
-    def cpu_clock():
-        fake["cpu"] += 30.0  # every check "burns" 30 CPU-seconds
-        return fake["cpu"]
-
-    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
+    fake = fake_process_clock(30.0)  # every check "burns" 30 CPU-seconds
     out = tmp_path / "run"
     code = main(base_args(data_dir, out, "--epochs", "3", "--time-budget", "1",
                           "--budget-clock", "process", "--threads", "1"))
@@ -437,14 +431,8 @@ def test_process_clock_budget_and_threads(data_dir, tmp_path, monkeypatch):
     assert cfg["budget_clock"] == "process" and cfg["threads"] == 1
 
 
-def test_anneal_to_budget_ends_the_cosine_with_the_budget(data_dir, tmp_path, monkeypatch):
-    fake = {"cpu": 0.0}
-
-    def cpu_clock():
-        fake["cpu"] += 5.0
-        return fake["cpu"]
-
-    monkeypatch.setattr(stopping, "process_clock", cpu_clock)
+def test_anneal_to_budget_ends_the_cosine_with_the_budget(data_dir, tmp_path, fake_process_clock):
+    fake = fake_process_clock(5.0)
     out = tmp_path / "run"
     run_ok(base_args(data_dir, out, "--epochs", "50", "--time-budget", "1",
                      "--budget-clock", "process", "--anneal-to-budget",
