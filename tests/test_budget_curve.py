@@ -47,3 +47,21 @@ def test_write_files(tmp_path):
     assert rows[0]["slug"] == "qsv" and rows[0]["test_acc_mean_pct"] == "41.0"
     assert paths["budget_curve.png"].stat().st_size > 1000
     assert write_budget_curves({"rows": []}, tmp_path / "empty") == {}
+
+
+def test_a_failed_figure_write_keeps_the_previous_files(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    paths = write_budget_curves(_summary(), tmp_path)
+    before = {name: p.read_bytes() for name, p in paths.items()}
+
+    def broken_savefig(self, f, **kwargs):
+        f.write(b"half a png")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", broken_savefig)
+    with pytest.raises(OSError, match="No space left"):
+        write_budget_curves(_summary(), tmp_path)
+    assert paths["budget_curve.png"].read_bytes() == before["budget_curve.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)  # no temp files
