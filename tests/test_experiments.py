@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ from qsv_pyg.experiments.tables import FIELD, STUDY
 from qsv_pyg.experiments import runner
 from qsv_pyg.experiments.report import REPORT_FILES
 from qsv_pyg.experiments.cli import main
-from qsv_pyg.experiments.runner import run_dir
+from qsv_pyg.experiments.runner import ExperimentError, RunSettings, plan_runs, run_dir, run_table
+from qsv_pyg.experiments.tables import Row, Table
 from qsv_pyg.models.zoo import model_overrides_for
 
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
@@ -163,8 +166,10 @@ def test_resume_mismatch_overwrite_and_budget(data_dir, tmp_path, capsys):
 
 
 def test_controls_in_subprocesses(data_dir, tmp_path, capsys):
-    # The default launcher: one fresh interpreter per run.
-    assert main(args("controls", data_dir, tmp_path, "--rows", "qsv", "resnet20")) == 0
+    # The default launcher: one fresh interpreter per run, here two side by side.
+    assert main(args("controls", data_dir, tmp_path, "--rows", "qsv", "resnet20",
+                     "--jobs", "2")) == 0
+    assert "2 trained" in capsys.readouterr().out
     results = assert_report(tmp_path / "controls", ["QSV", "ResNet-20"])
     qsv, resnet = results["rows"]
     assert qsv["paper"]["acc"] == 85.9 and resnet["paper"]["approx"]
@@ -197,6 +202,9 @@ def test_report_only_without_runs(tmp_path, capsys):
     (["--table", "ablations", "--budget-minutes", "1", "--train-args=--bogus"],
      "unrecognized arguments"),
     (["--table", "ablations", "--budget-minutes", "1", "--epochs", "0"], "must be positive"),
+    (["--table", "ablations", "--budget-minutes", "1", "--jobs", "0"], "must be positive"),
+    (["--table", "ablations", "--budget-minutes", "1", "--jobs", "2", "--launcher",
+      "in-process"], "needs the subprocess launcher"),
     (["--table", "ablations", "--budget-minutes", "1", "--rows", "full",
       "--model-overrides", '{"widths": [8, 8]}'], "cannot build 'qsv'"),
 ])
@@ -212,3 +220,86 @@ def test_missing_data_dir_is_reported(tmp_path, capsys):
             str(tmp_path / "none"), "--out-root", str(tmp_path)]
     assert main(argv) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- seed plans
+
+
+def test_study_seed_plan_and_override(tmp_path):
+    # The issue's protocol: seed 0 for every row, seed 1 also for QSV, the matched
+    # attention and both off; --seeds replaces the plan for every row.
+    assert STUDY.seeds_of("qsv") == (0, 1) and STUDY.seeds_of("resnet20") == (0,)
+    assert CONTROLS.seeds_of("qsv") == (0,)
+    with pytest.raises(KeyError, match="has no row"):
+        STUDY.seeds_of("nope")
+    settings = RunSettings(budget_minutes=1.0)
+    planned = [s.name for s in plan_runs(STUDY, None, tmp_path, settings,
+                                         validate_models=False)]
+    assert planned == ["qsv/seed0", "qsv/seed1", "attention-transformer/seed0",
+                       "attention-transformer/seed1", "attention-gat/seed0", "lattice/seed0",
+                       "resnet20/seed0", "transport-identity/seed0", "routing-uniform/seed0",
+                       "both-off/seed0", "both-off/seed1"]
+    given = plan_runs(STUDY, [2], tmp_path, settings, rows=["qsv", "resnet20"],
+                      validate_models=False)
+    assert [s.name for s in given] == ["qsv/seed2", "resnet20/seed2"]
+    with pytest.raises(ValueError, match="extra_seeds name no row"):
+        Table("t", "T", (Row("a", "A", "qsv"),), "a", extra_seeds={"b": (1,)})
+
+
+# --------------------------------------------------------------------------- side by side
+
+
+def _fake_launcher(fail=(), barrier=None):
+    """A stand-in for launch_training: records the runs, writes metrics, exits 0 or 2.
+
+    The first two launches wait for each other at ``barrier``; a run that succeeds
+    returns only after every failed run has returned (and a moment more, so the
+    runner has recorded the failure).
+    """
+    launched, lock, failed = [], threading.Lock(), threading.Event()
+
+    def launch(argv, out_dir, launcher="subprocess"):
+        with lock:
+            launched.append(out_dir.parent.name)
+            first_two = len(launched) <= 2
+        if barrier is not None and first_two:
+            barrier.wait()  # breaks (and fails the test) unless two runs are in flight
+        if out_dir.parent.name in fail:
+            failed.set()
+            return 2
+        if fail:
+            assert failed.wait(timeout=20)
+            time.sleep(0.5)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.json").write_text(json.dumps(
+            {"test_acc": 0.5, "epochs": 1, "epochs_planned": 1}))
+        return 0
+
+    return launch, launched
+
+
+def test_runs_side_by_side_in_plan_order(tmp_path, monkeypatch):
+    barrier = threading.Barrier(2, timeout=20)
+    launch, launched = _fake_launcher(barrier=barrier)
+    monkeypatch.setattr(runner, "launch_training", launch)
+    rows = ["full", "transport-identity", "routing-uniform"]
+    results = run_table(ABLATIONS, [0], tmp_path, RunSettings(budget_minutes=1.0), rows=rows,
+                        progress=False, validate_models=False, jobs=2)
+    assert not barrier.broken
+    assert [r.spec.row.slug for r in results] == rows  # plan order, whatever ended first
+    assert [r.status for r in results] == ["trained"] * 3
+    assert sorted(launched) == sorted(rows)
+
+
+def test_side_by_side_error_starts_nothing_more(tmp_path, monkeypatch):
+    # The first run is rejected (exit 2) while the second is in flight: the second
+    # finishes, the third never starts, and the error names the rejected run.
+    barrier = threading.Barrier(2, timeout=20)
+    launch, launched = _fake_launcher(fail={"full"}, barrier=barrier)
+    monkeypatch.setattr(runner, "launch_training", launch)
+    rows = ["full", "transport-identity", "routing-uniform"]
+    with pytest.raises(ExperimentError, match="full/seed0: the trainer rejected"):
+        run_table(ABLATIONS, [0], tmp_path, RunSettings(budget_minutes=1.0), rows=rows,
+                  progress=False, validate_models=False, jobs=2)
+    assert sorted(launched) == ["full", "transport-identity"]
+    assert (run_dir(tmp_path, "ablations", "transport-identity", 0) / "metrics.json").is_file()

@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", required=True, choices=sorted(TABLES), help="which table")
     p.add_argument("--rows", nargs="+", metavar="SLUG", help="only these rows (default: all)")
     p.add_argument("--seeds", nargs="+", type=_seed, metavar="K",
-                   help="training seeds (default: 0; with --report-only: every seed on disk)")
+                   help="training seeds of every row (default: the table's plan, seed 0 and "
+                        "for the study also seed 1 of its main rows; with --report-only: "
+                        "every seed on disk)")
     p.add_argument("--out-root", default="runs/reproduce", metavar="DIR",
                    help="runs go to DIR/<table>/<row>/seed<k> (default: runs/reproduce)")
     p.add_argument("--report-only", action="store_true",
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--train-args=--compile)")
 
     g = p.add_argument_group("runner")
+    g.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
+                   help="train N runs side by side, each in its own subprocess (default: 1; "
+                        "with --threads 1 in --train-args, one run per core)")
     g.add_argument("--launcher", choices=LAUNCHERS, default="subprocess",
                    help="run each training in a fresh subprocess (default) or in this process")
     g.add_argument("--overwrite", action="store_true",
@@ -177,11 +182,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, subset=args.subset,
             test_subset=args.test_subset, device=args.device,
             model_overrides=args.model_overrides, train_args=_train_args(args.train_args))
-        seeds = args.seeds if args.seeds is not None else [0]
-        results = run_table(table, seeds, args.out_root, settings, rows=rows,
+        results = run_table(table, args.seeds, args.out_root, settings, rows=rows,
                             launcher=args.launcher, overwrite=args.overwrite,
-                            progress=args.progress)
-        paths = report.write_report(table, args.out_root, rows=rows, seeds=seeds)
+                            progress=args.progress, jobs=args.jobs)
+        # Without --seeds the table's plan ran: report every seed of the rows on disk.
+        paths = report.write_report(table, args.out_root, rows=rows, seeds=args.seeds)
     except ExperimentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -203,14 +204,15 @@ def run_dir(root: "str | os.PathLike[str]", table: str, slug: str, seed: int) ->
     return Path(root) / table / slug / f"seed{seed}"
 
 
-def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]",
+def plan_runs(table: Table, seeds: Optional[Sequence[int]], root: "str | os.PathLike[str]",
               settings: RunSettings, rows: Optional[Sequence[str]] = None,
               validate_models: bool = True) -> List[RunSpec]:
     """Every run of ``table`` (rows × seeds), with flags and configurations checked.
 
     Args:
         table: the table.
-        seeds: training seeds (each row runs once per seed).
+        seeds: training seeds (each row runs once per seed); ``None``: the table's
+            own plan (:meth:`~qsv_pyg.experiments.tables.Table.seeds_of` per row).
         root: output root; runs go to :func:`run_dir`.
         settings: shared training settings.
         rows: row slugs to run (``None``: all), reported in table order.
@@ -224,12 +226,13 @@ def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
         selected = table.select(rows)
     except KeyError as exc:
         raise ExperimentError(exc.args[0]) from None
-    seeds = list(dict.fromkeys(seeds))
-    if not seeds:
-        raise ExperimentError("give at least one seed")
-    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-    if bad:
-        raise ExperimentError(f"seeds must be non-negative integers; got {bad}")
+    if seeds is not None:
+        seeds = list(dict.fromkeys(seeds))
+        if not seeds:
+            raise ExperimentError("give at least one seed")
+        bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ExperimentError(f"seeds must be non-negative integers; got {bad}")
     if not (isinstance(settings.budget_minutes, (int, float))
             and math.isfinite(settings.budget_minutes) and settings.budget_minutes > 0):
         raise ExperimentError(f"--budget-minutes must be a positive number of minutes; "
@@ -244,7 +247,7 @@ def plan_runs(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
             overrides = zoo.model_overrides_for(row.model, settings.model_overrides)
         except ValueError as exc:
             raise ExperimentError(str(exc)) from None
-        for seed in seeds:
+        for seed in (table.seeds_of(row.slug) if seeds is None else seeds):
             out_dir = run_dir(root, table.name, row.slug, seed)
             values = {"model": row.model, "seed": seed, "out_dir": str(out_dir), **shared,
                       **dict(row.switches), "model_args": dict(overrides)}
@@ -397,15 +400,16 @@ def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -
     return RunResult(spec, "resumed" if action == "resume" else "trained", metrics)
 
 
-def run_table(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]",
+def run_table(table: Table, seeds: Optional[Sequence[int]], root: "str | os.PathLike[str]",
               settings: RunSettings, *, rows: Optional[Sequence[str]] = None,
               launcher: str = "subprocess", overwrite: bool = False,
-              progress: bool = True, validate_models: bool = True) -> List[RunResult]:
+              progress: bool = True, validate_models: bool = True,
+              jobs: int = 1) -> List[RunResult]:
     """Train (or reuse, or resume) every run of ``table``.
 
     Args:
         table: the table.
-        seeds: training seeds.
+        seeds: training seeds (``None``: the table's own plan, see :func:`plan_runs`).
         root: output root.
         settings: shared training settings (same budget for every run).
         rows: row slugs to run (``None``: all).
@@ -414,17 +418,25 @@ def run_table(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
             from the request, instead of stopping with an error.
         progress: show a progress bar over the runs.
         validate_models: see :func:`plan_runs`.
+        jobs: how many runs train side by side (each in its own subprocess, in
+            plan order); more than one needs the ``"subprocess"`` launcher.
 
     Returns:
         One :class:`RunResult` per run, in table order then seed order.
 
     Raises:
         ExperimentError: bad settings, mismatched existing runs, or a run the
-            trainer rejects as a usage error.
+            trainer rejects as a usage error. With ``jobs > 1`` the runs already
+            started finish first; none is started after the error.
         ExperimentInterrupted: a run was interrupted (its checkpoint is kept).
     """
     if launcher not in LAUNCHERS:
         raise ExperimentError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ExperimentError(f"--jobs must be a positive integer; got {jobs!r}")
+    if jobs > 1 and launcher != "subprocess":
+        raise ExperimentError("--jobs above 1 needs the subprocess launcher: in-process runs "
+                              "share this interpreter's output streams and threads")
     specs = plan_runs(table, seeds, root, settings, rows, validate_models=validate_models)
     plan, conflicts = [], []
     for spec in specs:
@@ -439,13 +451,75 @@ def run_table(table: Table, seeds: Sequence[int], root: "str | os.PathLike[str]"
             "existing run folder(s) hold a different configuration:\n" + "\n".join(conflicts)
             + "\nuse another --out-root, or --overwrite to delete and retrain them")
 
-    results: List[RunResult] = []
     with tqdm(total=len(plan), desc=table.name, unit="run", disable=not progress,
               dynamic_ncols=True, file=sys.stderr) as bar:
-        for spec, action in plan:
-            bar.set_postfix_str(f"{spec.name} ({action})")
-            result = _execute(spec, action, settings, launcher)
-            results.append(result)
-            bar.write(f"{spec.name}: {result.summary()}", file=sys.stdout)
-            bar.update()
-    return results
+        if jobs == 1:
+            results: List[RunResult] = []
+            for spec, action in plan:
+                bar.set_postfix_str(f"{spec.name} ({action})")
+                results.append(_execute(spec, action, settings, launcher))
+                bar.write(f"{spec.name}: {results[-1].summary()}", file=sys.stdout)
+                bar.update()
+            return results
+        return _execute_side_by_side(plan, settings, launcher, jobs, bar)
+
+
+def _execute_side_by_side(plan: Sequence[Tuple[RunSpec, str]], settings: RunSettings,
+                          launcher: str, jobs: int, bar) -> List[RunResult]:
+    """:func:`_execute` every planned run, ``jobs`` at a time, in plan order.
+
+    A worker thread per slot takes the next run when its last one ends. After an
+    error no further run starts; the runs in flight end on their own (on Ctrl-C
+    every trainer gets the signal too and checkpoints), then the first error is raised.
+    """
+    lock = threading.Lock()
+    pending = iter(enumerate(plan))
+    results: Dict[int, RunResult] = {}
+    errors: List[Exception] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                item = None if errors else next(pending, None)
+            if item is None:
+                return
+            i, (spec, action) = item
+            try:
+                result = _execute(spec, action, settings, launcher)
+            except (ExperimentError, ExperimentInterrupted) as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                results[i] = result
+                bar.write(f"{spec.name}: {result.summary()}", file=sys.stdout)
+                bar.update()
+
+    workers = [threading.Thread(target=worker, name=f"run-slot-{k}", daemon=True)
+               for k in range(min(jobs, len(plan)))]
+    for t in workers:
+        t.start()
+    try:
+        _join(workers)
+    except KeyboardInterrupt:
+        with lock:
+            errors.append(ExperimentInterrupted("interrupted; run the same command again "
+                                                "to resume the unfinished runs"))
+        # The trainers got the same Ctrl-C: wait until each has written its checkpoint
+        # (a repeated Ctrl-C reaches them too, and they say that they ignore it).
+        while any(t.is_alive() for t in workers):
+            try:
+                _join(workers)
+            except KeyboardInterrupt:
+                pass
+    if errors:
+        interrupted = [e for e in errors if isinstance(e, ExperimentInterrupted)]
+        raise (interrupted or errors)[0]
+    return [results[i] for i in sorted(results)]
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Wait for ``threads`` in short slices, so that Ctrl-C reaches this thread."""
+    for t in threads:
+        while t.is_alive():
+            t.join(timeout=0.2)
