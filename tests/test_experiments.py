@@ -303,3 +303,24 @@ def test_side_by_side_error_starts_nothing_more(tmp_path, monkeypatch):
                   progress=False, validate_models=False, jobs=2)
     assert sorted(launched) == ["full", "transport-identity"]
     assert (run_dir(tmp_path, "ablations", "transport-identity", 0) / "metrics.json").is_file()
+
+
+def test_readme_study_command_plans_the_whole_study(tmp_path):
+    # The one documented command of the study (README) parses, and without --seeds it
+    # plans every run of the protocol, two side by side.
+    import shlex
+    from qsv_pyg.experiments.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("python examples/reproduce.py --table study --data-dir")
+    lines = []
+    for line in readme[start:].splitlines():
+        lines.append(line.rstrip("\\ "))
+        if not line.endswith("\\"):
+            break
+    argv = shlex.split(" ".join(lines))[2:]
+    ns = build_parser().parse_args(argv)
+    assert ns.table == "study" and ns.seeds is None and ns.jobs == 2
+    assert ns.budget_minutes == 30
+    assert len(plan_runs(STUDY, ns.seeds, tmp_path, RunSettings(budget_minutes=30.0),
+                         validate_models=False)) == 11
