@@ -324,3 +324,31 @@ def test_readme_study_command_plans_the_whole_study(tmp_path):
     assert ns.budget_minutes == 30
     assert len(plan_runs(STUDY, ns.seeds, tmp_path, RunSettings(budget_minutes=30.0),
                          validate_models=False)) == 11
+
+
+def test_side_by_side_waits_for_tasks_in_flight_after_ctrl_c():
+    import _thread
+    from qsv_pyg.experiments.side_by_side import run_side_by_side
+
+    class Stopped(Exception):
+        pass
+
+    started, finished, second = [], [], threading.Event()
+
+    def task(i):
+        started.append(i)
+        if i == 1:
+            second.set()
+        if i == 0:
+            assert second.wait(timeout=20)
+            _thread.interrupt_main()  # Ctrl-C while tasks 0 and 1 are in flight
+        time.sleep(1.0)
+        finished.append(i)
+        return i
+
+    with pytest.raises(Stopped):
+        run_side_by_side(task, [0, 1, 2, 3], 2, interrupted=Stopped)
+    assert sorted(started) == [0, 1] and sorted(finished) == [0, 1]
+    assert run_side_by_side(lambda i: i * i, range(5), 3) == [0, 1, 4, 9, 16]
+    with pytest.raises(ValueError, match="at least 1"):
+        run_side_by_side(lambda i: i, [1], 0)

@@ -36,7 +36,6 @@ import os
 import shlex
 import shutil
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -53,6 +52,7 @@ from qsv_pyg.training.run_files import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAM
 from qsv_pyg.training.run_files import read_json as _read_json
 
 from .launch import LAUNCHERS, OUTPUT_NAME, launch_training, tail
+from .side_by_side import run_side_by_side
 from .tables import Row, Table
 
 __all__ = [
@@ -453,73 +453,23 @@ def run_table(table: Table, seeds: Optional[Sequence[int]], root: "str | os.Path
 
     with tqdm(total=len(plan), desc=table.name, unit="run", disable=not progress,
               dynamic_ncols=True, file=sys.stderr) as bar:
-        if jobs == 1:
-            results: List[RunResult] = []
-            for spec, action in plan:
-                bar.set_postfix_str(f"{spec.name} ({action})")
-                results.append(_execute(spec, action, settings, launcher))
-                bar.write(f"{spec.name}: {results[-1].summary()}", file=sys.stdout)
-                bar.update()
-            return results
-        return _execute_side_by_side(plan, settings, launcher, jobs, bar)
 
+        def report(spec: RunSpec, result: RunResult) -> None:
+            bar.write(f"{spec.name}: {result.summary()}", file=sys.stdout)
+            bar.update()
 
-def _execute_side_by_side(plan: Sequence[Tuple[RunSpec, str]], settings: RunSettings,
-                          launcher: str, jobs: int, bar) -> List[RunResult]:
-    """:func:`_execute` every planned run, ``jobs`` at a time, in plan order.
-
-    A worker thread per slot takes the next run when its last one ends. After an
-    error no further run starts; the runs in flight end on their own (on Ctrl-C
-    every trainer gets the signal too and checkpoints), then the first error is raised.
-    """
-    lock = threading.Lock()
-    pending = iter(enumerate(plan))
-    results: Dict[int, RunResult] = {}
-    errors: List[Exception] = []
-
-    def worker() -> None:
-        while True:
-            with lock:
-                item = None if errors else next(pending, None)
-            if item is None:
-                return
-            i, (spec, action) = item
-            try:
-                result = _execute(spec, action, settings, launcher)
-            except (ExperimentError, ExperimentInterrupted) as exc:
-                with lock:
-                    errors.append(exc)
-                return
-            with lock:
-                results[i] = result
-                bar.write(f"{spec.name}: {result.summary()}", file=sys.stdout)
-                bar.update()
-
-    workers = [threading.Thread(target=worker, name=f"run-slot-{k}", daemon=True)
-               for k in range(min(jobs, len(plan)))]
-    for t in workers:
-        t.start()
-    try:
-        _join(workers)
-    except KeyboardInterrupt:
-        with lock:
-            errors.append(ExperimentInterrupted("interrupted; run the same command again "
-                                                "to resume the unfinished runs"))
-        # The trainers got the same Ctrl-C: wait until each has written its checkpoint
-        # (a repeated Ctrl-C reaches them too, and they say that they ignore it).
-        while any(t.is_alive() for t in workers):
-            try:
-                _join(workers)
-            except KeyboardInterrupt:
-                pass
-    if errors:
-        interrupted = [e for e in errors if isinstance(e, ExperimentInterrupted)]
-        raise (interrupted or errors)[0]
-    return [results[i] for i in sorted(results)]
-
-
-def _join(threads: Sequence[threading.Thread]) -> None:
-    """Wait for ``threads`` in short slices, so that Ctrl-C reaches this thread."""
-    for t in threads:
-        while t.is_alive():
-            t.join(timeout=0.2)
+        if jobs > 1:
+            return run_side_by_side(
+                lambda item: _execute(*item, settings, launcher), plan, jobs,
+                stop_on=(ExperimentError, ExperimentInterrupted),
+                on_result=lambda item, result: report(item[0], result),
+                interrupted=lambda: ExperimentInterrupted(
+                    "interrupted; run the same command again to resume the unfinished runs"))
+        # One at a time in this thread: the in-process launcher installs the trainer's
+        # signal handlers, which only the main thread may do.
+        results: List[RunResult] = []
+        for spec, action in plan:
+            bar.set_postfix_str(f"{spec.name} ({action})")
+            results.append(_execute(spec, action, settings, launcher))
+            report(spec, results[-1])
+        return results
