@@ -16,6 +16,7 @@ from typing import Callable, Dict
 import torch
 
 from qsv_pyg.training import run_files
+from qsv_pyg.utils import cpu_name
 from qsv_pyg.utils import resolve_device  # noqa: F401  (the scripts import it from here)
 
 
@@ -123,14 +124,7 @@ def machine_info(device: torch.device) -> Dict[str, object]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        info["cpu"] = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
+        info["cpu"] = cpu_name()
     return info
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import platform
 from types import ModuleType
 from typing import Any, Optional
 
@@ -18,6 +19,22 @@ def import_geoopt() -> Optional[ModuleType]:
         return importlib.import_module("geoopt")
     except ImportError:
         return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows.
+
+    Recorded with every training run and benchmark: a CPU-time budget buys
+    different amounts of training on different processors.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def is_positive_int(value: Any) -> bool:

@@ -352,3 +352,39 @@ def test_side_by_side_waits_for_tasks_in_flight_after_ctrl_c():
     assert run_side_by_side(lambda i: i * i, range(5), 3) == [0, 1, 4, 9, 16]
     with pytest.raises(ValueError, match="at least 1"):
         run_side_by_side(lambda i: i, [1], 0)
+
+
+def _fake_run(root, table, slug, seed, acc, steps, cpu=None):
+    folder = run_dir(root, table, slug, seed)
+    folder.mkdir(parents=True)
+    metrics = {"test_acc": acc, "steps": steps, "stopped_early": True, "epochs": 3,
+               "epochs_planned": 10, "params": 1000}
+    if cpu:
+        metrics["cpu"] = cpu
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "config.json").write_text(json.dumps({"time_budget": 30.0}))
+
+
+def test_report_pairs_delta_by_seed_and_flags_unequal_compute(tmp_path):
+    from qsv_pyg.experiments.report import collect, format_markdown
+
+    # The reference ran seeds 0 and 1 (seed 1 on a slower CPU: fewer steps); the
+    # variant only seed 0. Δ compares the variant with the reference's seed 0 only.
+    _fake_run(tmp_path, "ablations", "full", 0, 0.70, 10_000, "CPU A")
+    _fake_run(tmp_path, "ablations", "full", 1, 0.60, 7_000, "CPU B")
+    _fake_run(tmp_path, "ablations", "transport-identity", 0, 0.66, 11_000, "CPU A")
+    summary = collect(ABLATIONS, tmp_path, rows=["full", "transport-identity"])
+    full, ident = summary["rows"]
+    assert full["measured"]["test_acc_mean"] == pytest.approx(65.0)
+    assert ident["measured"]["delta"] == pytest.approx(-4.0)  # not 66 − 65 = +1
+    assert ident["measured"]["delta_seeds"] == [0]
+    warnings = " ".join(summary["warnings"])
+    assert "different CPUs (CPU A; CPU B)" in warnings
+    assert "full: its seeds made different numbers of optimiser steps" in warnings
+    assert "transport-identity: its seeds" not in warnings
+    md = format_markdown(summary)
+    assert "| Transport → identity | 0 | 66.00 | −4.00 | 11,000 | CPU A |" in md
+    assert "| Full kernel | 1 | 60.00 | ref | 7,000 | CPU B |" in md
+    # One seed per row: no per-seed table, and equal steps raise no warning.
+    summary = collect(ABLATIONS, tmp_path, rows=["transport-identity"])
+    assert "Per seed" not in format_markdown(summary) and not summary["warnings"]

@@ -34,6 +34,7 @@ from qsv_pyg.training.config import (
     to_argv,
 )
 from qsv_pyg.training.presets import AUTO_PRESETS, resolve_auto_preset
+from qsv_pyg.utils import cpu_name
 
 from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
@@ -188,6 +189,8 @@ def test_one_epoch_resnet20_writes_all_files(data_dir, tmp_path):
     assert metrics["dataset"] == "cifar10" and metrics["test_images"] == 20
     assert metrics["optimizer_backend"] in ("riemannian", "projected")
     assert metrics["stopped_early"] is False and metrics["seconds"] > 0
+    # The machine a budget is spent on: recorded, so reports can compare like with like.
+    assert metrics["cpu"] == cpu_name() and metrics["cpu"] and metrics["cpu_count"] >= 1
     (line,) = read_log(out)
     assert line["epoch"] == 1 and line["step"] == 4 and line["betas"] == {}
     for key in ("train_loss", "train_acc", "test_loss", "test_acc", "lr", "seconds",

@@ -5,8 +5,10 @@
 
 * ``table.md`` and ``table.csv``: the paper's layout: variant, parameters, test
   accuracy (mean ± sample standard deviation over seeds, in %), Δ from the
-  reference row (QSV / full kernel), epochs done, and the paper's reported value
-  in a separate, labelled column.
+  reference row (QSV / full kernel; paired by seed), epochs done, and the paper's
+  reported value in a separate, labelled column; where a row has several seeds,
+  every run with its steps and CPU below it, and a warning where the same budget
+  bought different amounts of training.
 * ``results.json``: the same with every seed's numbers and the settings.
 * ``accuracy.png``: accuracy per variant: bars at the mean, error bars of one
   standard deviation, one dot per seed (paper values as separate markers).
@@ -97,6 +99,7 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
             "epochs_planned": metrics.get("epochs_planned"),
             "stopped_early": bool(metrics.get("stopped_early")),
             "seconds": metrics.get("seconds"), "device": metrics.get("device"),
+            "steps": metrics.get("steps"), "cpu": metrics.get("cpu"),
             "budget_evals": metrics.get("budget_evals") or [],
         })
         budget = record.get("time_budget", config.get("time_budget"))
@@ -171,6 +174,43 @@ def _settings(summary_rows: List[Dict[str, Any]], warnings: List[str]) -> Dict[s
     return settings
 
 
+#: Seeds of one row whose budget-stopped runs made more than this fraction fewer
+#: optimiser steps than the row's most are warned about (different compute).
+STEP_SPREAD = 0.15
+
+
+def _compute_warnings(summary_rows: List[Dict[str, Any]]) -> List[str]:
+    """Runs that got different compute from the same budget: other CPUs, fewer steps.
+
+    A time budget (CPU or wall) buys as many steps as the machine makes in it, so
+    runs from different processors, or under different load, are not equal budgets.
+    """
+    out = []
+    cpus = sorted({r["cpu"] for e in summary_rows for r in e["measured"]["runs"]
+                   if r.get("cpu")})
+    unrecorded = sum(1 for e in summary_rows for r in e["measured"]["runs"]
+                     if r["status"] == "done" and not r.get("cpu"))
+    if len(cpus) > 1:
+        out.append(f"runs ran on different CPUs ({'; '.join(cpus)}): a time budget buys "
+                   "different amounts of training on each")
+    if cpus and unrecorded:
+        out.append(f"{unrecorded} run(s) recorded no CPU (older trainer): the CPUs of the "
+                   "table's runs cannot all be compared")
+    for e in summary_rows:
+        runs = [r for r in e["measured"]["runs"] if r["status"] == "done"
+                and r.get("stopped_early") and r.get("steps")]
+        if len(runs) < 2:
+            continue
+        most = max(r["steps"] for r in runs)
+        short = [r for r in runs if r["steps"] < (1 - STEP_SPREAD) * most]
+        if short:
+            steps = ", ".join(f"seed {r['seed']} {r['steps']:,}" for r in runs)
+            out.append(f"{e['slug']}: its seeds made different numbers of optimiser steps "
+                       f"in the same budget ({steps}): they got different compute (another "
+                       "machine or other load); compare rows within one seed")
+    return out
+
+
 def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = None,
             seeds: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """Gather the measured results of ``table`` from its run folders.
@@ -200,14 +240,22 @@ def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = No
         summary_rows.append(entry)
         by_slug[row.slug] = entry
 
+    # Δ pairs each run with the reference row's run of the same seed: where the rows
+    # ran different seeds (or seeds on different machines) a difference of means
+    # would compare unlike runs.
     ref = by_slug.get(table.reference)
-    ref_mean = ref["measured"]["test_acc_mean"] if ref else None
+    ref_acc = {} if ref is None else dict(zip(ref["measured"]["seeds"],
+                                              ref["measured"]["test_acc_per_seed"]))
     for entry in summary_rows:
         m = entry["measured"]
-        if ref_mean is not None and m["test_acc_mean"] is not None:
-            m["delta"] = m["test_acc_mean"] - ref_mean
+        pairs = [(acc, ref_acc[seed]) for seed, acc in zip(m["seeds"], m["test_acc_per_seed"])
+                 if seed in ref_acc]
+        m["delta_seeds"] = [seed for seed in m["seeds"] if seed in ref_acc]
+        if pairs:
+            m["delta"] = statistics.fmean(a - b for a, b in pairs)
 
     settings = _settings(summary_rows, warnings)
+    warnings.extend(_compute_warnings(summary_rows))
     counts = [p for e in summary_rows for p in ([e["measured"]["params"]]
               if not isinstance(e["measured"]["params"], list) else e["measured"]["params"])
               if p]
@@ -221,7 +269,8 @@ def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = No
         "generated": datetime.now().isoformat(timespec="seconds"), "root": str(root),
         "seeds": all_seeds, "settings": settings,
         "statistics": "mean and sample standard deviation (n-1) over seeds; accuracies in %; "
-                      "delta = difference of means from the reference row, in points",
+                      "delta = mean over the seeds both rows ran of the difference from "
+                      "the reference row's run of the same seed, in points",
         "paper_source": PAPER_SOURCE, "rows": summary_rows, "warnings": warnings,
     }
 
@@ -300,8 +349,9 @@ def format_markdown(summary: Dict[str, Any]) -> str:
         f"# {summary['title']}",
         "",
         f"Measured here: seeds {summary['seeds'] or '—'}; {_settings_line(summary)}. "
-        f"Test accuracy is the mean ± sample std over seeds (%); Δ is the difference of means "
-        f"from \"{ref_label}\" in points; epochs are those finished (of those planned).",
+        f"Test accuracy is the mean ± sample std over seeds (%); Δ is the mean difference "
+        f"from \"{ref_label}\" over the seeds both rows ran (each run against the run of "
+        f"the same seed), in points; epochs are those finished (of those planned).",
         "",
         f"Last column, \"Paper (reported)\": {PAPER_SOURCE}; reference values only, "
         "not results of these runs.",
@@ -330,9 +380,39 @@ def format_markdown(summary: Dict[str, Any]) -> str:
     if any(e["measured"]["n_stopped_by_budget"] for e in summary["rows"]):
         lines += ["", "\"budget\": runs stopped by the time budget before their "
                       "planned epochs (count of seeds)."]
+    lines += _per_seed_lines(summary)
     if summary["warnings"]:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in summary["warnings"]]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _per_seed_lines(summary: Dict[str, Any]) -> List[str]:
+    """Where some row has several seeds: every finished run, with its Δ from the
+    reference row's run of the same seed (a paired difference) and its steps."""
+    if not any(e["measured"]["n"] > 1 for e in summary["rows"]):
+        return []
+    done = {(e["slug"], r["seed"]): r for e in summary["rows"]
+            for r in e["measured"]["runs"] if r["status"] == "done"}
+    lines = ["", "Per seed (Δ: from the reference row's run of the same seed):", "",
+             "| Variant | Seed | Test acc. (%) | Δ same seed (pts) | Steps | CPU |",
+             "|---|---:|---:|---:|---:|---|"]
+    for e in summary["rows"]:
+        for r in e["measured"]["runs"]:
+            if r["status"] != "done":
+                continue
+            ref = done.get((summary["reference"], r["seed"]))
+            if e["slug"] == summary["reference"]:
+                delta = "ref"
+            elif ref is None:
+                delta = "—"
+            else:
+                d = r["test_acc"] - ref["test_acc"]
+                delta = f"{'−' if d < 0 else '+'}{abs(d):.2f}"
+            steps = f"{r['steps']:,}" if r.get("steps") else "—"
+            label = e["label"].replace("|", "\\|")
+            lines.append(f"| {label} | {r['seed']} | {r['test_acc']:.2f} | {delta} | {steps} | "
+                         f"{r.get('cpu') or 'not recorded'} |")
+    return lines
 
 
 _CSV_FIELDS = ("slug", "label", "model", "switches", "params", "n_seeds", "seeds",

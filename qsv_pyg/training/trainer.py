@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from qsv_pyg.data import DeviceLoader
 from qsv_pyg.models import available_models
+from qsv_pyg.utils import cpu_name
 
 from . import stopping
 from .checkpoint import capture_rng_state, save_checkpoint
@@ -418,7 +419,8 @@ def _finish(run: Run, state: LoopState, last_train: Optional[Dict[str, float]],
         "world_size": run.dist.world_size, "amp": run.amp,
         "compile": cfg.compile, "train_images": run.data_facts["train_images"],
         "test_images": run.data_facts["test_images"], "betas": betas(run.model),
-        "torch": torch.__version__, "budget_evals": state.budget_evals,
+        "torch": torch.__version__, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "budget_evals": state.budget_evals,
         "budget_used_s": run.budget.run_seconds(),
         "budget_eval_seconds": run.budget.eval_seconds(),
         "wall_seconds_this_process": stopping.wall_clock() - run.t_start,
