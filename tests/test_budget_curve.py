@@ -7,8 +7,9 @@ from qsv_pyg.experiments.budget_curve import budget_points, format_budget_markdo
     write_budget_curves
 
 
-def _run(evals, final, stopped=True, budget=30.0):
-    return {"test_acc": final, "stopped_early": stopped, "settings": {"time_budget": budget},
+def _run(evals, final, stopped=True, budget=30.0, seed=0):
+    return {"seed": seed, "test_acc": final, "stopped_early": stopped,
+            "settings": {"time_budget": budget},
             "budget_evals": [{"minutes": m, "test_acc": a} for m, a in evals]}
 
 
@@ -16,7 +17,7 @@ def _summary():
     return {"rows": [
         {"slug": "qsv", "label": "QSV", "paper": {"acc": 85.9},
          "measured": {"runs": [_run([(5, 0.40), (10, 0.50)], 60.0),
-                               _run([(5, 0.42), (10, 0.52)], 62.0)]}},
+                               _run([(5, 0.42), (10, 0.52)], 62.0, seed=1)]}},
         {"slug": "t", "label": "T", "paper": {"acc": None},
          "measured": {"runs": [_run([(5, 0.45)], 55.0, stopped=False)]}},
         {"slug": "none", "label": "no marks", "paper": {"acc": None},
@@ -28,8 +29,12 @@ def test_points_per_row_and_mark():
     curves = budget_points(_summary())
     assert [c["slug"] for c in curves] == ["qsv", "t"]  # rows without marks left out
     assert curves[0]["points"] == {5.0: [40.0, 42.0], 10.0: [50.0, 52.0], 30.0: [60.0, 62.0]}
+    # Each seed keeps its own curve (the figure draws one line per seed).
+    assert curves[0]["per_seed"] == {0: {5.0: 40.0, 10.0: 50.0, 30.0: 60.0},
+                                     1: {5.0: 42.0, 10.0: 52.0, 30.0: 62.0}}
     # A run that ended before its budget contributes its marks only.
     assert curves[1]["points"] == {5.0: [45.0]}
+    assert curves[1]["per_seed"] == {0: {5.0: 45.0}}
 
 
 def test_markdown_has_mean_std_and_gaps():

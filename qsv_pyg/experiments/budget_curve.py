@@ -6,8 +6,8 @@ final evaluation at ``T``. This module turns the runs of one table into
 
 * ``budget_curve.md`` / ``budget_curve.csv``: test accuracy (%) per row at every
   mark (mean over seeds, the seeds' values in the CSV);
-* ``budget_curve.png``: accuracy against budget minutes, one line per row (dots:
-  single seeds), the paper's reported accuracy as a dashed level where there is one.
+* ``budget_curve.png``: accuracy against budget minutes, one colour per row and
+  one line per seed (first seed solid, the next dashed).
 
 It reads only what :func:`qsv_pyg.experiments.report.collect` gathered.
 """
@@ -30,7 +30,8 @@ BUDGET_FILES = ("budget_curve.md", "budget_curve.csv", "budget_curve.png")
 
 
 def budget_points(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per row: ``{"slug", "label", "paper", "points": {minutes: [acc % per seed]}}``.
+    """Per row: ``{"slug", "label", "paper", "points": {minutes: [acc % per seed]},
+    "per_seed": {seed: {minutes: acc %}}}``.
 
     The final evaluation of a run that the budget stopped counts as the point at
     its budget; a run that finished its epochs earlier contributes its marks only.
@@ -39,18 +40,22 @@ def budget_points(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for entry in summary["rows"]:
         points: Dict[float, List[float]] = {}
+        per_seed: Dict[int, Dict[float, float]] = {}
         for run in entry["measured"]["runs"]:
             evals = run.get("budget_evals") or []
             if not evals:
                 continue
-            for e in evals:
-                points.setdefault(float(e["minutes"]), []).append(100.0 * e["test_acc"])
+            curve = {float(e["minutes"]): 100.0 * e["test_acc"] for e in evals}
             budget = (run.get("settings") or {}).get("time_budget")
             if run.get("stopped_early") and budget:
-                points.setdefault(float(budget), []).append(run["test_acc"])
+                curve[float(budget)] = run["test_acc"]
+            for minutes, acc in curve.items():
+                points.setdefault(minutes, []).append(acc)
+            per_seed[run["seed"]] = dict(sorted(curve.items()))
         if points:
             out.append({"slug": entry["slug"], "label": entry["label"],
-                        "paper": entry["paper"]["acc"], "points": dict(sorted(points.items()))})
+                        "paper": entry["paper"]["acc"], "points": dict(sorted(points.items())),
+                        "per_seed": dict(sorted(per_seed.items()))})
     return out
 
 
@@ -74,26 +79,39 @@ def format_budget_markdown(curves: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Line styles of a row's seeds, in seed order (the first seed solid).
+_SEED_STYLES = ("-", "--", ":", "-.")
+
+
 def plot_budget_curves(curves: List[Dict[str, Any]], path: "str | Path") -> None:
-    """Accuracy (%) against budget minutes, one line (mean over seeds) per row."""
+    """Accuracy (%) against budget minutes: one colour per row, one line per seed.
+
+    Seeds are drawn as their own lines (the first seed solid, the next dashed, ...),
+    not averaged: seeds run on other machines or under other load get different
+    compute from the same budget, and a mean would mix the two.
+    """
     import matplotlib
     matplotlib.use("Agg")
+    from matplotlib.lines import Line2D
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = plt.get_cmap("tab10")
+    seeds = sorted({seed for c in curves for seed in c["per_seed"]})
+    style = {seed: _SEED_STYLES[i % len(_SEED_STYLES)] for i, seed in enumerate(seeds)}
     for i, c in enumerate(curves):
         color = colors(i % 10)
-        minutes = list(c["points"])
-        means = [statistics.mean(v) for v in c["points"].values()]
-        ax.plot(minutes, means, marker="o", color=color, label=c["label"])
-        for m, accs in c["points"].items():
-            if len(accs) > 1:
-                ax.scatter([m] * len(accs), accs, s=10, color=color, alpha=0.5)
+        for k, (seed, curve) in enumerate(c["per_seed"].items()):
+            ax.plot(list(curve), list(curve.values()), marker="o", markersize=4,
+                    linestyle=style[seed], color=color, label=None if k else c["label"])
     ax.set_xlabel("training budget (CPU-minutes, one thread)")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    handles, _ = ax.get_legend_handles_labels()
+    if len(seeds) > 1:
+        handles += [Line2D([], [], color="black", linestyle=style[s], label=f"seed {s}")
+                    for s in seeds]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
