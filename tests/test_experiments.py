@@ -326,32 +326,39 @@ def test_readme_study_command_plans_the_whole_study(tmp_path):
                          validate_models=False)) == 11
 
 
-def test_side_by_side_waits_for_tasks_in_flight_after_ctrl_c():
-    import _thread
-    from qsv_pyg.experiments.side_by_side import run_side_by_side
+def test_side_by_side_waits_for_tasks_in_flight_after_ctrl_c(monkeypatch):
+    from qsv_pyg.experiments import side_by_side
 
     class Stopped(Exception):
         pass
 
     started, finished, second = [], [], threading.Event()
+    real_join, ctrl_c = side_by_side._join, [KeyboardInterrupt]
+
+    def join_then_ctrl_c(threads):
+        # The main thread's first wait ends in Ctrl-C once tasks 0 and 1 are in flight.
+        if ctrl_c:
+            assert second.wait(timeout=20)
+            raise ctrl_c.pop()
+        real_join(threads)
 
     def task(i):
         started.append(i)
         if i == 1:
             second.set()
-        if i == 0:
-            assert second.wait(timeout=20)
-            _thread.interrupt_main()  # Ctrl-C while tasks 0 and 1 are in flight
         time.sleep(1.0)
         finished.append(i)
         return i
 
+    monkeypatch.setattr(side_by_side, "_join", join_then_ctrl_c)
     with pytest.raises(Stopped):
-        run_side_by_side(task, [0, 1, 2, 3], 2, interrupted=Stopped)
+        side_by_side.run_side_by_side(task, [0, 1, 2, 3], 2, interrupted=Stopped)
+    # Both tasks in flight ended before the error was raised; none started after it.
     assert sorted(started) == [0, 1] and sorted(finished) == [0, 1]
-    assert run_side_by_side(lambda i: i * i, range(5), 3) == [0, 1, 4, 9, 16]
+    monkeypatch.setattr(side_by_side, "_join", real_join)
+    assert side_by_side.run_side_by_side(lambda i: i * i, range(5), 3) == [0, 1, 4, 9, 16]
     with pytest.raises(ValueError, match="at least 1"):
-        run_side_by_side(lambda i: i, [1], 0)
+        side_by_side.run_side_by_side(lambda i: i, [1], 0)
 
 
 def _fake_run(root, table, slug, seed, acc, steps, cpu=None):
