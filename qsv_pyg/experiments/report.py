@@ -296,9 +296,12 @@ def _fmt_delta(entry: Dict[str, Any], reference: str) -> str:
     if entry["slug"] == reference:
         return "ref" if entry["measured"]["n"] else "—"
     delta = entry["measured"]["delta"]
-    if delta is None:
-        return "—"
-    return f"{'−' if delta < 0 else '+'}{abs(delta):.2f}"
+    return "—" if delta is None else _fmt_signed(delta)
+
+
+def _fmt_signed(points: float) -> str:
+    """``+1.23`` / ``−1.23`` (a true minus sign)."""
+    return f"{'−' if points < 0 else '+'}{abs(points):.2f}"
 
 
 def _fmt_epochs(m: Dict[str, Any]) -> str:
@@ -406,8 +409,7 @@ def _per_seed_lines(summary: Dict[str, Any]) -> List[str]:
             elif ref is None:
                 delta = "—"
             else:
-                d = r["test_acc"] - ref["test_acc"]
-                delta = f"{'−' if d < 0 else '+'}{abs(d):.2f}"
+                delta = _fmt_signed(r["test_acc"] - ref["test_acc"])
             steps = f"{r['steps']:,}" if r.get("steps") else "—"
             label = e["label"].replace("|", "\\|")
             lines.append(f"| {label} | {r['seed']} | {r['test_acc']:.2f} | {delta} | {steps} | "
