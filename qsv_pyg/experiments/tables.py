@@ -29,6 +29,9 @@ ROW_TRAIN_FIELDS = fields_with_role(ROW)
 
 __all__ = [
     "ABLATIONS",
+    "BLOCK",
+    "BLOCK_KERNELS",
+    "BLOCK_VARIANTS",
     "CONTROLS",
     "FIELD",
     "ROW_TRAIN_FIELDS",
@@ -38,6 +41,7 @@ __all__ = [
     "Row",
     "TABLES",
     "Table",
+    "block_slug",
     "get_table",
 ]
 
@@ -274,8 +278,58 @@ STUDY = Table(
                                             "both-off"))),
 )
 
+#: The block study (issue: why the kernel matters less here than in the paper): the
+#: candidate substitutes for the kernel, removed one at a time. Variant slug → label
+#: and the block switches that make it.
+BLOCK_VARIANTS: Dict[str, Tuple[str, Mapping[str, Any]]] = {
+    "full": ("Full block", {}),
+    "no-root": ("No root weight", {"root_weight": False}),
+    "no-mlp": ("No MLP", {"mlp_ratio": 0.0}),
+    "kernel-only": ("Kernel only (no root weight, no MLP)",
+                    {"root_weight": False, "mlp_ratio": 0.0}),
+}
+#: Kernel settings each block variant runs with, slug → label and switches. ``qsv``
+#: (the full kernel) is every variant's reference.
+BLOCK_KERNELS: Dict[str, Tuple[str, Mapping[str, Any]]] = {
+    "qsv": ("QSV", {}),
+    "both-off": ("both off", dict(ABLATIONS.row("both-off").switches)),
+    "identity": ("transport → identity", dict(ABLATIONS.row("transport-identity").switches)),
+}
+#: Which (variant, kernel) pairs the block table runs, in run order: the
+#: kernel-only block first (its QSV run is the one the analysis reads).
+_BLOCK_PLAN = (("kernel-only", "qsv"), ("kernel-only", "both-off"),
+               ("kernel-only", "identity"), ("full", "qsv"), ("full", "both-off"),
+               ("no-root", "qsv"), ("no-root", "both-off"), ("no-mlp", "qsv"),
+               ("no-mlp", "both-off"))
+
+
+def block_slug(variant: str, kernel: str) -> str:
+    """Row slug of the block table, e.g. ``"kernel-only-both-off"``."""
+    return f"{variant}-{kernel}"
+
+
+def _block_row(variant: str, kernel: str) -> Row:
+    v_label, v_switches = BLOCK_VARIANTS[variant]
+    k_label, k_switches = BLOCK_KERNELS[kernel]
+    return Row(block_slug(variant, kernel), f"{v_label}: {k_label}", "qsv",
+               {**v_switches, **k_switches})
+
+
+#: The block study at the 30-minute study's protocol; Δ is measured from QSV with
+#: the full block, and :func:`qsv_pyg.experiments.block_report` measures each
+#: kernel switch within its own block variant. Seed 1 as well for the kernel-only pair.
+BLOCK = Table(
+    name="block",
+    title="Where the kernel's computation lives: block parts removed (CIFAR-10)",
+    reference=block_slug("full", "qsv"),
+    extra_seeds={block_slug("kernel-only", "qsv"): (1,),
+                 block_slug("kernel-only", "both-off"): (1,)},
+    rows=tuple(_block_row(v, k) for v, k in _BLOCK_PLAN),
+)
+
 #: Every table by name.
-TABLES: Dict[str, Table] = {t.name: t for t in (CONTROLS, ABLATIONS, BEYOND, FIELD, STUDY)}
+TABLES: Dict[str, Table] = {t.name: t for t in (CONTROLS, ABLATIONS, BEYOND, FIELD, STUDY,
+                                                BLOCK)}
 
 
 def get_table(name: str) -> Table:

@@ -151,6 +151,21 @@ class MLP(nn.Sequential):
         super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
 
+def mlp_branch(dim: int, ratio: float) -> Tuple[Optional[nn.LayerNorm], Optional[MLP]]:
+    """The ``(LayerNorm, MLP)`` of a block's MLP branch, or ``(None, None)`` when
+    ``ratio == 0`` (no MLP: the block is its conv and residual only)."""
+    if ratio == 0:
+        return None, None
+    return nn.LayerNorm(dim), MLP(dim, ratio)
+
+
+def add_mlp(x: Tensor, norm: Optional[nn.LayerNorm], mlp: Optional[MLP]) -> Tensor:
+    """``x + MLP(LN(x))``, or ``x`` for a block without an MLP."""
+    if norm is None or mlp is None:
+        return x
+    return x + mlp(norm(x))
+
+
 class CrossBlock(nn.Module):
     r"""Pre-norm residual block from one level (sources) to the next (targets).
 
@@ -167,7 +182,7 @@ class CrossBlock(nn.Module):
         in_src: source (previous level) width.
         width: target level width.
         heads: attention heads.
-        mlp_ratio: hidden size of the MLP relative to ``width``.
+        mlp_ratio: hidden size of the MLP relative to ``width`` (``0``: no MLP).
         **qsv_kwargs: forwarded to :class:`QSVConv` (``kind="qsv"`` only).
 
     Shapes:
@@ -183,14 +198,13 @@ class CrossBlock(nn.Module):
         self.proj = nn.Linear(in_src, width) if in_src != width else nn.Identity()
         self.norm_dst = nn.LayerNorm(width)
         self.conv = GraphConvAdapter(make_conv(kind, width, width, width, heads, **qsv_kwargs))
-        self.norm_mlp = nn.LayerNorm(width)
-        self.mlp = MLP(width, mlp_ratio)
+        self.norm_mlp, self.mlp = mlp_branch(width, mlp_ratio)
 
     def forward(self, x_src: Tensor, x_dst: Tensor, edge_index: Tensor,
                 quat: PairOrTensor = None, pos: PairOrTensor = None) -> Tensor:
         src = self.proj(self.norm_src(x_src))
         x_dst = x_dst + self.conv(src, self.norm_dst(x_dst), edge_index, quat=quat, pos=pos)
-        return x_dst + self.mlp(self.norm_mlp(x_dst))
+        return add_mlp(x_dst, self.norm_mlp, self.mlp)
 
 
 class WithinBlock(nn.Module):
@@ -204,7 +218,7 @@ class WithinBlock(nn.Module):
         kind: conv kind, see :func:`make_conv`.
         width: feature size.
         heads: attention heads.
-        mlp_ratio: hidden size of the MLP relative to ``width``.
+        mlp_ratio: hidden size of the MLP relative to ``width`` (``0``: no MLP).
         **qsv_kwargs: forwarded to :class:`QSVConv` (``kind="qsv"`` only).
 
     Shapes:
@@ -217,10 +231,9 @@ class WithinBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.conv = GraphConvAdapter(make_conv(kind, width, None, width, heads, **qsv_kwargs))
-        self.norm_mlp = nn.LayerNorm(width)
-        self.mlp = MLP(width, mlp_ratio)
+        self.norm_mlp, self.mlp = mlp_branch(width, mlp_ratio)
 
     def forward(self, x: Tensor, edge_index: Tensor, quat: Optional[Tensor] = None,
                 pos: Optional[Tensor] = None) -> Tensor:
         x = x + self.conv(self.norm(x), None, edge_index, quat=quat, pos=pos)
-        return x + self.mlp(self.norm_mlp(x))
+        return add_mlp(x, self.norm_mlp, self.mlp)

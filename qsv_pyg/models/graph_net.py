@@ -71,6 +71,7 @@ QSV_DEFAULTS = dict(
     beta_prior_weight=0.01,
     repulsion_k=8,
     repulsion_weight=0.01,
+    root_weight=True,
 )
 
 
@@ -95,7 +96,8 @@ class GraphNet(ImageClassifier):
         patch_size: side in pixels of the patch each outer node samples.
         image_size: side of the square input images.
         in_ch: image channels.
-        mlp_ratio: MLP hidden size relative to the level width.
+        mlp_ratio: MLP hidden size relative to the level width; ``0`` removes
+            every block's MLP (and its LayerNorm and residual branch).
         within_rounds: WithinBlocks on the innermost level.
         check_finite: let QSVConv check its inputs for NaN/inf (a host sync per
             layer; off by default, the training loop checks the loss).
@@ -126,6 +128,9 @@ class GraphNet(ImageClassifier):
         repulsion_k: same-level neighbours in the field repulsion (``8``).
         repulsion_weight: weight of the field repulsion, averaged over levels
             (``0.01``).
+        root_weight: every QSVConv adds :math:`\mathbf{W}_r \mathbf{x}_i`
+            (``True``); ``False`` leaves the target's own features to the
+            residual only (with ``mlp_ratio=0``: the "kernel-only" block).
 
     Shapes:
         - **input:** ``[B, in_ch, image_size, image_size]``
@@ -162,6 +167,7 @@ class GraphNet(ImageClassifier):
         beta_prior_weight: Optional[float] = None,
         repulsion_k: Optional[int] = None,
         repulsion_weight: Optional[float] = None,
+        root_weight: Optional[bool] = None,
     ):
         # The QSV-only arguments, by the names QSV_DEFAULTS lists (taken before any
         # other local exists, so only parameters can match).
@@ -173,6 +179,9 @@ class GraphNet(ImageClassifier):
         if isinstance(within_rounds, bool) or not isinstance(within_rounds, int) \
                 or within_rounds < 0:
             raise ValueError(f"within_rounds must be a non-negative int, got {within_rounds!r}")
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) \
+                or not (math.isfinite(mlp_ratio) and mlp_ratio >= 0):
+            raise ValueError(f"mlp_ratio must be a non-negative number, got {mlp_ratio!r}")
 
         self.num_classes = num_classes
         self.geometry = hierarchy.kind
@@ -181,6 +190,7 @@ class GraphNet(ImageClassifier):
         self.widths = widths
         self.heads = heads
         self.within_rounds = within_rounds
+        self.mlp_ratio = float(mlp_ratio)
         self.is_qsv = conv == "qsv"
         self.qsv_options = opts if self.is_qsv else {}
 
@@ -289,7 +299,7 @@ class GraphNet(ImageClassifier):
         return dict(routing=opts["routing"], transport=opts["transport"],
                     quat_source=QUAT_SOURCE_TO_CONV[opts["quat_source"]],
                     beta_init=opts["beta_init"], learn_beta=opts["learn_beta"],
-                    check_finite=check_finite)
+                    root_weight=bool(opts["root_weight"]), check_finite=check_finite)
 
     def _setup_regularisers(self, hierarchy: Hierarchy) -> None:
         opts = self.qsv_options
@@ -391,10 +401,14 @@ class GraphNet(ImageClassifier):
         """Short configuration string, e.g. ``"qsv on shells 256-144-64-36-16, ..."``."""
         text = (f"{self.conv_kind} on {self.geometry} {'-'.join(map(str, self.sizes))}, "
                 f"widths {'-'.join(map(str, self.widths))}, heads {self.heads}")
+        if self.mlp_ratio == 0:
+            text += ", no MLP"
         if self.is_qsv:
             o = self.qsv_options
             text += (f", routing {o['routing']}, transport {o['transport']}, "
                      f"quat {o['quat_source']}{' (frozen)' if o['frozen_field'] else ''}")
+            if not o["root_weight"]:
+                text += ", no root weight"
         return text
 
     def summary(self) -> str:

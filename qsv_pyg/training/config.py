@@ -150,6 +150,14 @@ class TrainConfig:
     repulsion_weight: Optional[float] = option(
         None, "weight of the field repulsion regulariser", group=_QSV, lo=0.0,
         model_key="repulsion_weight", metavar="W")
+    root_weight: Optional[bool] = option(
+        None, "QSV: add the root weight W_r x_i in every QSVConv (model default); "
+        "--no-root-weight leaves the target's features to the residual", group=_QSV,
+        model_key="root_weight")
+    mlp_ratio: Optional[float] = option(
+        None, "hidden size of every block's MLP relative to its width (any graph model; "
+        "model default 2.0); 0 removes the MLPs", group=_QSV, lo=0.0, model_key="mlp_ratio",
+        metavar="R")
     model_args: Dict[str, Any] = option(
         help="extra model keyword, VALUE parsed as JSON (e.g. widths=[32,32]); repeatable",
         group=_QSV, roles=(TABLE,), metavar="KEY=VALUE", factory=dict)

@@ -47,6 +47,10 @@ _QSV_ABLATIONS: Dict[str, Dict[str, Any]] = {
     # Before the paper-faithful defaults: no β prior, Haar-random field.
     "no-beta-prior": dict(beta_prior=0.0),
     "no-repulsion": dict(repulsion_weight=0.0),
+    # The block study: the kernel's candidate substitutes removed.
+    "no-root": dict(root_weight=False),
+    "no-mlp": dict(mlp_ratio=0.0),
+    "kernel-only": dict(root_weight=False, mlp_ratio=0.0),
 }
 #: QSV models (the only ones with a quaternion field and its repulsion).
 _FIELD_MODELS = ("qsv", "lattice")
