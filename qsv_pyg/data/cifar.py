@@ -43,6 +43,7 @@ from .pickles import read_pickle
 __all__ = [
     "CIFAR_NAMES",
     "DATA_DIR_ENV",
+    "DOWNLOAD_SIZE_MARGIN",
     "NUM_CLASSES",
     "download_cifar",
     "load_cifar",
@@ -60,6 +61,11 @@ _PIXELS = 3 * 32 * 32  # one row of b"data": channel-major RGB 32x32
 _OFFICIAL_SIZES = {"train": 50000, "test": 10000}
 _URL_BASE = "https://www.cs.toronto.edu/~kriz/"
 
+#: A download of an archive with another md5 than the official one (``download_cifar(...,
+#: md5=...)``, a repacked copy) may be this many times the official archive's size; one
+#: with the official md5 must be exactly that size. Beyond it the download stops.
+DOWNLOAD_SIZE_MARGIN = 2.0
+
 
 @dataclass(frozen=True)
 class _CifarSpec:
@@ -70,6 +76,7 @@ class _CifarSpec:
     folder: str
     archive: str
     md5: str
+    archive_bytes: int  # size of the official archive
     files: dict[str, tuple[str, ...]]
     meta_file: str
     label_key: bytes
@@ -84,11 +91,18 @@ class _CifarSpec:
     def official_sizes(self) -> dict[str, int]:
         return _OFFICIAL_SIZES
 
+    def download_cap(self, md5: str) -> int:
+        """The most bytes a download of the archive with ``md5`` may have."""
+        if md5.lower() == self.md5:
+            return self.archive_bytes
+        return int(DOWNLOAD_SIZE_MARGIN * self.archive_bytes)
+
 
 _SPECS = {
     "cifar10": _CifarSpec(
         name="cifar10", display="CIFAR-10", folder="cifar-10-batches-py",
         archive="cifar-10-python.tar.gz", md5="c58f30108f718f92721af3b95e74349a",
+        archive_bytes=170_498_071,
         files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
         meta_file="batches.meta", label_key=b"labels", names_key=b"label_names",
         num_classes=10,
@@ -96,6 +110,7 @@ _SPECS = {
     "cifar100": _CifarSpec(
         name="cifar100", display="CIFAR-100", folder="cifar-100-python",
         archive="cifar-100-python.tar.gz", md5="eb9058c3a382ffc7106e4002c42a8d85",
+        archive_bytes=169_001_437,
         files={"train": ("train",), "test": ("test",)},
         meta_file="meta", label_key=b"fine_labels", names_key=b"fine_label_names",
         num_classes=100,
@@ -205,6 +220,12 @@ def _read_batch(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarray]:
     if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
             or data.shape[1] != _PIXELS):
         raise DataError(f"{path}: expected {expected}; got b'data' {_describe(data)}")
+    if data.shape[0] == 0:
+        # A valid pickle, not a damaged one: say so rather than "corrupt".
+        raise DataError(
+            f"{path}: the batch file is empty: 0 images (a valid pickle whose b'data' has "
+            f"shape (0, {_PIXELS})); expected {expected}. Re-extract the archive, or delete "
+            "the folder and re-download (--download).")
     raw_labels = obj[spec.label_key]
     try:
         labels = np.asarray(raw_labels)
@@ -335,6 +356,8 @@ def download_cifar(name: str, root: str | os.PathLike, url: str | None = None,
             of a local archive (used in place, never deleted); ``None`` is the
             official URL.
         md5: expected hex md5 of the archive; ``None`` is the official archive's.
+            A download stops at the official archive's size (with another
+            ``md5``: :data:`DOWNLOAD_SIZE_MARGIN` times it).
         progress: show a tqdm progress bar while downloading.
         keep_archive: keep the downloaded ``.tar.gz`` in ``root`` after unpacking.
 
@@ -343,8 +366,8 @@ def download_cifar(name: str, root: str | os.PathLike, url: str | None = None,
 
     Raises:
         DataError: on a checksum mismatch (naming the file and both checksums; the
-            bad download is deleted), an unsafe or unreadable archive, or an archive
-            without a valid layout.
+            bad download is deleted), a download larger than its cap, an unsafe or
+            unreadable archive, or an archive without a valid layout.
         FileNotFoundError: if ``url`` is a local path that does not exist.
         OSError: if the download fails.
     """
@@ -381,7 +404,7 @@ def _download(spec: _CifarSpec, root: Path, url: str | None, md5: str | None,
     else:
         archive = root / spec.archive
         if not (archive.is_file() and md5_of(archive) == expected):
-            fetch(source, archive, expected, progress)
+            fetch(source, archive, expected, progress, max_bytes=spec.download_cap(expected))
             downloaded = True
     try:
         return _install(archive, root, spec)

@@ -34,11 +34,25 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         # Pickles written by numpy < 2 (the official files) name numpy.core.*.
         if module.startswith("numpy.core."):
             module = "numpy._core." + module[len("numpy.core."):]
+        if (module, name) in (("__builtin__", "bytes"), ("builtins", "bytes")):
+            # Protocol 2 writes an empty bytes object (the buffer of an array of
+            # 0 images) as a call of bytes() without arguments.
+            return _empty_bytes
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(
                 f"refusing to load global {module}.{name} (CIFAR files only contain "
                 "dicts, lists, bytes and numpy arrays)")
         return super().find_class(module, name)
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` for protocol-2 pickles: only the empty call (``bytes(n)`` would let a
+    file of a few bytes allocate ``n``)."""
+    if args:
+        raise pickle.UnpicklingError(
+            "refusing to call builtins.bytes with arguments (protocol-2 CIFAR files only "
+            "call it without, for an empty bytes object)")
+    return b""
 
 
 def read_pickle(path: Path, expected: str) -> Any:

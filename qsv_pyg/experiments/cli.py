@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from qsv_pyg.training import cli as train_cli
 from qsv_pyg.training.config import TABLE, ConfigError, fields_with_role, flag_of
+from qsv_pyg.training.run_files import RunFolderError
 
 from . import report
 from .runner import LAUNCHERS, ExperimentError, ExperimentInterrupted, RunSettings, run_table
@@ -166,7 +167,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         if args.report_only:
-            paths = report.write_report(table, args.out_root, rows=rows, seeds=args.seeds)
+            # A damaged run file makes its run invalid (left out, named here and in
+            # table.md), never a traceback; an unwritable report folder exits 2.
+            try:
+                paths = report.write_report(
+                    table, args.out_root, rows=rows, seeds=args.seeds,
+                    warn=lambda w: print(f"warning: {w}", file=sys.stderr))
+            except OSError as exc:
+                reason = str(exc) if isinstance(exc, RunFolderError) else (
+                    f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror
+                    else str(exc))
+                print(f"error: cannot write the report of {table.name} under "
+                      f"{args.out_root}: {reason}", file=sys.stderr)
+                return 2
             print(f"report: {paths['table.md'].parent}")
             return 0
         if args.budget_minutes is None:

@@ -19,19 +19,27 @@
   seeds, and within rounds) with a band from the smallest to the largest head.
 
 Only runs with a ``metrics.json`` count; missing, incomplete and failed runs
-are listed in the notes. Measured numbers come only from the run folders; the
-paper's numbers only from :mod:`qsv_pyg.experiments.tables`.
+are listed in the notes. A run whose ``metrics.json`` or ``config.json`` is
+damaged (not JSON, not an object) or holds a value of the wrong type (e.g.
+``"test_acc": "high"``, ``NaN``, ``"epochs": "two"``) is *invalid*: it is left
+out of the means, its row counts it (``1 (+1 invalid)``) and a warning names the
+file and the field. Measured numbers come only from the run folders; the
+paper's numbers only from :mod:`qsv_pyg.experiments.tables`. ``results.json``
+is strict JSON: a number that is not finite is written as ``null``.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
+import math
 import statistics
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from qsv_pyg.training.config import SHARED, fields_with_role
+from qsv_pyg.training.config import SHARED, TrainConfig, fields_with_role
+from qsv_pyg.training.fields import ConfigError, check_value, is_number
 from qsv_pyg.training.run_files import (
     CHECKPOINT_NAME,
     CONFIG_NAME,
@@ -39,10 +47,8 @@ from qsv_pyg.training.run_files import (
     METRICS_NAME,
     atomic_write,
     read_log,
-    write_json,
     write_text,
 )
-from qsv_pyg.training.run_files import read_json as _read_json
 
 from .budget_curve import write_budget_curves
 from .figures import plot_accuracy, plot_beta_probe
@@ -62,6 +68,183 @@ _SHARED_SETTINGS = fields_with_role(SHARED)
 # ============================================================================ collect
 
 
+def _show(value: Any) -> str:
+    """A value of a run file as a warning shows it (as JSON would write it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, list):
+        return "a JSON list"
+    if isinstance(value, dict):
+        return "a JSON object"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _load(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """``(object, None)``, ``(None, None)`` when missing, ``(None, problem)`` when damaged."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        return None, f"{path.name}: cannot be read ({reason})"
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        return None, f"{path.name}: not valid JSON ({err})"
+    if not isinstance(value, dict):
+        return None, f"{path.name}: holds {_json_kind(value)}, not a JSON object"
+    return value, None
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "a JSON list"
+    if isinstance(value, str):
+        return "a JSON string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    return "a JSON number"
+
+
+def _fraction(v: Any) -> bool:
+    return is_number(v) and math.isfinite(v) and 0.0 <= v <= 1.0
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _duration(v: Any) -> bool:
+    return is_number(v) and math.isfinite(v) and v >= 0
+
+
+def _budget_evals(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(e, dict) and _duration(e.get("minutes")) and _fraction(e.get("test_acc"))
+        for e in v)
+
+
+#: metrics.json fields the report reads: check, and what it expects (for the warning).
+_METRIC_CHECKS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "test_acc": (_fraction, "a number in [0, 1]"),
+    "best_test_acc": (_fraction, "a number in [0, 1]"),
+    "train_acc": (_fraction, "a number in [0, 1]"),
+    "params": (_count, "a non-negative integer"),
+    "epochs": (_count, "a non-negative integer"),
+    "epochs_planned": (_count, "a non-negative integer"),
+    "steps": (_count, "a non-negative integer"),
+    "seconds": (_duration, "a non-negative number"),
+    "stopped_early": (lambda v: isinstance(v, bool), "true or false"),
+    "device": (lambda v: isinstance(v, str), "a string"),
+    "cpu": (lambda v: isinstance(v, str), "a string"),
+    "budget_evals": (_budget_evals, 'a list of {"minutes": number >= 0, '
+                                    '"test_acc": number in [0, 1]} objects'),
+}
+
+_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _metrics_problems(metrics: Dict[str, Any]) -> List[str]:
+    if "test_acc" not in metrics or metrics["test_acc"] is None:
+        problems = [f"{METRICS_NAME}: test_acc is missing"]
+    else:
+        problems = []
+    for key, (ok, expected) in _METRIC_CHECKS.items():
+        value = metrics.get(key)
+        if value is not None and not ok(value):
+            problems.append(f"{METRICS_NAME}: {key} is {_show(value)}, expected {expected}")
+    return problems
+
+
+def _config_problems(config: Dict[str, Any]) -> List[str]:
+    """Type and range of the settings the report reads (as ``qsv-train`` checks them)."""
+    problems = []
+    for key in _SHARED_SETTINGS:
+        value = config.get(key)
+        if value is None:
+            continue
+        try:
+            check_value(_CONFIG_FIELDS[key], value)
+        except ConfigError:
+            problems.append(f"{CONFIG_NAME}: {key} is {_show(value)}, expected "
+                            f"{_expected_setting(key)}")
+    model_args = config.get("model_args")
+    if model_args is not None and not isinstance(model_args, dict):
+        problems.append(f"{CONFIG_NAME}: model_args is {_show(model_args)}, expected a JSON "
+                        "object of model keywords")
+    return problems
+
+
+def _expected_setting(key: str) -> str:
+    f = _CONFIG_FIELDS[key]
+    meta = f.metadata
+    kind = f.type.replace("Optional[", "").rstrip("]")
+    if meta.get("choices"):
+        return "one of " + ", ".join(meta["choices"])
+    what = {"int": "an integer", "float": "a finite number", "str": "a string",
+            "bool": "true or false"}.get(kind, kind)
+    if meta.get("lo") is not None and meta.get("hi") is None:
+        what += f" {'>' if meta['lo_open'] else '>='} {meta['lo']:g}"
+    elif meta.get("hi") is not None:
+        what += (f" in {'(' if meta['lo_open'] else '['}{meta['lo']:g}, {meta['hi']:g}"
+                 f"{')' if meta['hi_open'] else ']'}")
+    return what
+
+
+def _runner_record(folder: Path, notes: List[str]) -> Dict[str, Any]:
+    """runner.json, or ``{}`` (with a note) when it is damaged: only bookkeeping."""
+    record, problem = _load(folder / RUNNER_NAME)
+    if problem:
+        notes.append(f"{problem}; ignored")
+        return {}
+    record = record or {}
+    launches = record.get("launches")
+    if launches is not None and not (isinstance(launches, list)
+                                     and all(isinstance(x, dict) for x in launches)):
+        notes.append(f"{RUNNER_NAME}: launches is {_show(launches)}, expected a list of "
+                     "objects; ignored")
+        record = dict(record, launches=[])
+    budget = record.get("time_budget")
+    if budget is not None:
+        try:
+            check_value(_CONFIG_FIELDS["time_budget"], budget)
+        except ConfigError:
+            notes.append(f"{RUNNER_NAME}: time_budget is {_show(budget)}, expected "
+                         f"{_expected_setting('time_budget')}; ignored")
+            record = {k: v for k, v in record.items() if k != "time_budget"}
+    return record
+
+
+def _finite(v: Any) -> bool:
+    return is_number(v) and math.isfinite(v)
+
+
+def _betas(folder: Path, notes: List[str]) -> List[Tuple[int, Dict[str, Any]]]:
+    """β per epoch from log.jsonl; records with a malformed epoch or β are skipped."""
+    out, skipped = [], 0
+    for rec in read_log(folder / LOG_NAME):
+        if "epoch" not in rec:
+            continue
+        epoch, betas = rec["epoch"], rec.get("betas") or {}
+        good = (_count(epoch) and isinstance(betas, dict) and all(
+            _finite(v) or (isinstance(v, list) and all(_finite(x) for x in v))
+            for v in betas.values()))
+        if good:
+            out.append((epoch, betas))
+        else:
+            skipped += 1
+    if skipped:
+        notes.append(f"{LOG_NAME}: {skipped} record(s) with a malformed epoch or β skipped "
+                     "in the β probe")
+    return out
 
 
 def _seeds_on_disk(folder: Path) -> List[int]:
@@ -73,22 +256,41 @@ def _seeds_on_disk(folder: Path) -> List[int]:
 
 
 def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
+    """One run folder: ``status`` done, invalid (damaged run files, with ``problems``),
+    failed, incomplete or missing; ``notes``: lesser damage that was worked around."""
     folder = run_dir(root, table.name, row.slug, seed)
-    metrics = _read_json(folder / METRICS_NAME)
-    config = _read_json(folder / CONFIG_NAME) or {}
-    record = _read_json(folder / RUNNER_NAME) or {}
+    notes: List[str] = []
+    problems: List[str] = []
+    metrics, problem = _load(folder / METRICS_NAME)
+    if problem:
+        problems.append(problem)
+    elif metrics is not None:
+        problems += _metrics_problems(metrics)
+    config: Dict[str, Any] = {}
+    if metrics is not None or problems:
+        config, problem = _load(folder / CONFIG_NAME)
+        if problem:
+            problems.append(problem)
+        config = config or {}
+        problems += _config_problems(config)
+    record = _runner_record(folder, notes)
     launches = record.get("launches") or []
     last_rc = launches[-1].get("exit_code") if launches else None
-    if metrics is not None:
+    if problems:
+        status = "invalid"
+    elif metrics is not None:
         status = "done"
-    elif last_rc not in (None, 0, 130):
+    elif isinstance(last_rc, int) and last_rc not in (0, 130):
         status = f"failed (exit {last_rc})"
     elif (folder / CHECKPOINT_NAME).is_file():
         status = "incomplete"
     else:
         status = "missing"
     info: Dict[str, Any] = {"seed": seed, "out_dir": str(folder), "status": status}
-    if metrics is not None:
+    if problems:
+        info["problems"] = problems
+    if status == "done":
+        assert metrics is not None
         info.update({
             "test_acc": 100.0 * metrics["test_acc"],
             "best_test_acc": (100.0 * metrics["best_test_acc"]
@@ -108,8 +310,9 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
         info["settings"]["budget_clock"] = config.get("budget_clock", "wall")
         info["settings"]["threads"] = config.get("threads")
         info["model_args"] = config.get("model_args", {})
-        info["betas"] = [(rec["epoch"], rec.get("betas") or {})
-                         for rec in read_log(folder / LOG_NAME) if "epoch" in rec]
+        info["betas"] = _betas(folder, notes)
+    if notes:
+        info["notes"] = notes
     return info
 
 
@@ -132,13 +335,15 @@ def _row_entry(table: Table, row: Row, runs: List[Dict[str, Any]]) -> Dict[str, 
         "switches": dict(row.switches),
         "measured": {
             "n": len(done), "seeds": [r["seed"] for r in done],
+            "n_invalid": sum(r["status"] == "invalid" for r in runs),
             "test_acc_mean": mean, "test_acc_std": std, "delta": None,
             "test_acc_per_seed": accs,
             "best_test_acc_mean": _stats([r["best_test_acc"] for r in done
                                           if r["best_test_acc"] is not None])[0],
             "params": params[0] if len(params) == 1 else (params or None),
-            "epochs_done": [r["epochs"] for r in done],
-            "epochs_planned": sorted({r["epochs_planned"] for r in done}),
+            "epochs_done": [r["epochs"] for r in done if r["epochs"] is not None],
+            "epochs_planned": sorted({r["epochs_planned"] for r in done
+                                      if r["epochs_planned"] is not None}),
             "n_stopped_by_budget": sum(r["stopped_early"] for r in done),
             "runs": [{k: v for k, v in r.items() if k != "betas"} for r in runs],
         },
@@ -235,8 +440,13 @@ def collect(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = No
         runs = [_run_info(root, table, row, s) for s in row_seeds]
         entry = _row_entry(table, row, runs)
         for r in runs:
-            if r["status"] != "done":
-                warnings.append(f"{row.slug}/seed{r['seed']}: {r['status']}")
+            where = f"{row.slug}/seed{r['seed']}"
+            if r["status"] == "invalid":
+                warnings.append(f"{where}: invalid run, left out of the means: "
+                                + "; ".join(r["problems"]))
+            elif r["status"] != "done":
+                warnings.append(f"{where}: {r['status']}")
+            warnings.extend(f"{where}: {note}" for note in r.get("notes", ()))
         summary_rows.append(entry)
         by_slug[row.slug] = entry
 
@@ -286,9 +496,9 @@ def _fmt_params(params: Any) -> str:
     return f"{params / 1e6:.3f}M" if params >= 100_000 else f"{params:,}"
 
 
-def _fmt_acc(mean: Optional[float], std: Optional[float]) -> str:
+def _fmt_acc(mean: Optional[float], std: Optional[float], n_invalid: int = 0) -> str:
     if mean is None:
-        return "—"
+        return "n/a" if n_invalid else "—"  # n/a: there are runs, none of them valid
     return f"{mean:.2f} ± {std:.2f}" if std is not None else f"{mean:.2f}"
 
 
@@ -316,6 +526,11 @@ def _fmt_epochs(m: Dict[str, Any]) -> str:
     if m["n_stopped_by_budget"]:
         text += f" (budget: {m['n_stopped_by_budget']}/{m['n']})"
     return text
+
+
+def _fmt_seeds(m: Dict[str, Any]) -> str:
+    n_invalid = m.get("n_invalid", 0)
+    return f"{m['n']} (+{n_invalid} invalid)" if n_invalid else str(m["n"])
 
 
 def _settings_line(summary: Dict[str, Any]) -> str:
@@ -372,8 +587,9 @@ def format_markdown(summary: Dict[str, Any]) -> str:
             notes.setdefault(e["paper"]["note"], []).append(e["label"])
             paper += "¹"
         label = e["label"].replace("|", "\\|")  # a literal "|" would split the cell
-        lines.append(f"| {label} | {e['model']} | {_fmt_params(m['params'])} | {m['n']} | "
-                     f"{_fmt_acc(m['test_acc_mean'], m['test_acc_std'])} | "
+        acc = _fmt_acc(m["test_acc_mean"], m["test_acc_std"], m.get("n_invalid", 0))
+        lines.append(f"| {label} | {e['model']} | {_fmt_params(m['params'])} | "
+                     f"{_fmt_seeds(m)} | {acc} | "
                      f"{_fmt_delta(e, summary['reference'])} | {_fmt_epochs(m)} | {paper} |")
     if notes:
         lines += ["", "¹ Paper column: " + " ".join(f"{', '.join(labels)}: {note}."
@@ -383,6 +599,10 @@ def format_markdown(summary: Dict[str, Any]) -> str:
     if any(e["measured"]["n_stopped_by_budget"] for e in summary["rows"]):
         lines += ["", "\"budget\": runs stopped by the time budget before their "
                       "planned epochs (count of seeds)."]
+    if any(e["measured"].get("n_invalid") for e in summary["rows"]):
+        lines += ["", "\"invalid\": runs whose metrics.json or config.json is damaged or holds "
+                      "a value of the wrong type; they are left out of the means and the "
+                      "warnings below name the file and the field."]
     lines += _per_seed_lines(summary)
     if summary["warnings"]:
         lines += ["", "Warnings:", ""] + [f"- {w}" for w in summary["warnings"]]
@@ -391,8 +611,10 @@ def format_markdown(summary: Dict[str, Any]) -> str:
 
 def _per_seed_lines(summary: Dict[str, Any]) -> List[str]:
     """Where some row has several seeds: every finished run, with its Δ from the
-    reference row's run of the same seed (a paired difference) and its steps."""
-    if not any(e["measured"]["n"] > 1 for e in summary["rows"]):
+    reference row's run of the same seed (a paired difference) and its steps, and
+    every invalid run, marked so."""
+    if not any(e["measured"]["n"] + e["measured"].get("n_invalid", 0) > 1
+               for e in summary["rows"]):
         return []
     done = {(e["slug"], r["seed"]): r for e in summary["rows"]
             for r in e["measured"]["runs"] if r["status"] == "done"}
@@ -401,6 +623,10 @@ def _per_seed_lines(summary: Dict[str, Any]) -> List[str]:
              "|---|---:|---:|---:|---:|---|"]
     for e in summary["rows"]:
         for r in e["measured"]["runs"]:
+            if r["status"] == "invalid":
+                label = e["label"].replace("|", "\\|")
+                lines.append(f"| {label} | {r['seed']} | invalid | — | — | — |")
+                continue
             if r["status"] != "done":
                 continue
             ref = done.get((summary["reference"], r["seed"]))
@@ -417,11 +643,11 @@ def _per_seed_lines(summary: Dict[str, Any]) -> List[str]:
     return lines
 
 
-_CSV_FIELDS = ("slug", "label", "model", "switches", "params", "n_seeds", "seeds",
-               "test_acc_mean_pct", "test_acc_std_pct", "delta_pts", "test_acc_per_seed_pct",
-               "best_test_acc_mean_pct", "epochs_done_min", "epochs_done_max", "epochs_planned",
-               "n_stopped_by_budget", "paper_acc_pct", "paper_delta_pts", "paper_approx",
-               "paper_note")
+_CSV_FIELDS = ("slug", "label", "model", "switches", "params", "n_seeds", "n_invalid",
+               "seeds", "test_acc_mean_pct", "test_acc_std_pct", "delta_pts",
+               "test_acc_per_seed_pct", "best_test_acc_mean_pct", "epochs_done_min",
+               "epochs_done_max", "epochs_planned", "n_stopped_by_budget", "paper_acc_pct",
+               "paper_delta_pts", "paper_approx", "paper_note")
 
 
 def _csv_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -433,7 +659,8 @@ def _csv_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
             "switches": ";".join(f"{k}={v}" for k, v in e["switches"].items()),
             "params": m["params"] if not isinstance(m["params"], list)
             else ";".join(map(str, m["params"])),
-            "n_seeds": m["n"], "seeds": ";".join(map(str, m["seeds"])),
+            "n_seeds": m["n"], "n_invalid": m.get("n_invalid", 0),
+            "seeds": ";".join(map(str, m["seeds"])),
             "test_acc_mean_pct": _round(m["test_acc_mean"]),
             "test_acc_std_pct": _round(m["test_acc_std"]),
             "delta_pts": _round(m["delta"]),
@@ -450,14 +677,31 @@ def _csv_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _round(value: Optional[float]) -> Optional[float]:
-    return None if value is None else round(value, 4)
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _strict_json(data: Any) -> str:
+    """``data`` as indented, strict JSON (``NaN``/``Infinity`` written as ``null``)."""
+    return json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n"
 
 
 # ============================================================================ write
 
 
 def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]] = None,
-                 seeds: Optional[Sequence[int]] = None) -> Dict[str, Path]:
+                 seeds: Optional[Sequence[int]] = None,
+                 warn: Optional[Callable[[str], None]] = None) -> Dict[str, Path]:
     """Write every report file of ``table`` into ``<root>/<table>/``.
 
     Args:
@@ -465,11 +709,19 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
         root: output root of the runner.
         rows: row slugs to include (``None``: all).
         seeds: seeds to include (``None``: every seed folder on disk).
+        warn: called with the warning of each invalid run (damaged run files),
+            e.g. to print it; the warnings are in ``table.md`` either way.
 
     Returns:
         File name (see :data:`REPORT_FILES`) → path written.
     """
     summary = collect(table, root, rows, seeds)
+    if warn is not None:
+        for e in summary["rows"]:
+            for r in e["measured"]["runs"]:
+                if r["status"] == "invalid":
+                    warn(f"{e['slug']}/seed{r['seed']}: invalid run, left out of the means: "
+                         + "; ".join(r["problems"]))
     folder = Path(root) / table.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = {name: folder / name for name in REPORT_FILES}
@@ -483,7 +735,7 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
     atomic_write(paths["table.csv"], write_csv)
     public = dict(summary, rows=[{k: v for k, v in e.items() if not k.startswith("_")}
                                  for e in summary["rows"]])
-    write_json(paths["results.json"], public)
+    write_text(paths["results.json"], _strict_json(public))
     plot_accuracy(summary, paths["accuracy.png"])
     plot_beta_probe(summary, paths["beta_probe.png"])
     paths.update(write_budget_curves(summary, folder))

@@ -1,6 +1,7 @@
 """``QSV``: a PyG ``BasicGNN`` of :class:`~qsv_pyg.nn.QSVConv` layers."""
 from __future__ import annotations
 
+import numbers
 from typing import Final, List, Optional, Tuple, Union
 
 import torch
@@ -19,6 +20,12 @@ MODEL_QUAT_SOURCES = ("features", "field", "given", "composed")
 # What each model-level source asks of every QSVConv layer.
 _CONV_QUAT_SOURCE = {"features": "features", "field": "given", "given": "given",
                      "composed": "composed"}
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class QSV(BasicGNN):
@@ -113,8 +120,13 @@ class QSV(BasicGNN):
         elif num_nodes is not None:
             raise ValueError(f"num_nodes is only used by quat_source='field', not "
                              f"{quat_source!r}")
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        # Checked here, not in QSVConv: the model divides hidden_channels by heads
+        # (init_conv) and BasicGNN builds num_layers layers before any conv sees them.
+        _check_positive_int("hidden_channels", hidden_channels)
+        _check_positive_int("num_layers", num_layers)
+        if out_channels is not None:
+            _check_positive_int("out_channels", out_channels)
+        _check_positive_int("heads", kwargs.get("heads", 1))
         self.quat_source = quat_source
         self.num_nodes = num_nodes
         self.attention_dropout = attention_dropout
