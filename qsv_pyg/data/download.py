@@ -1,24 +1,26 @@
 """Fetching a dataset archive and unpacking it safely.
 
-Nothing here knows about CIFAR: :func:`fetch` downloads a file and checks its
-md5, :func:`extract_tar` unpacks an archive into a folder while refusing every
-member that could write outside it. :func:`~qsv_pyg.data.cifar.download_cifar`
-puts the two together.
+Nothing here knows about CIFAR: :func:`fetch` downloads a file (at most a given
+number of bytes) and checks its md5, :func:`extract_tar` unpacks an archive into
+a folder while refusing every member that could write outside it.
+:func:`~qsv_pyg.data.cifar.download_cifar` puts the two together.
 """
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import re
 import secrets
-import socket
+import sys
 import tarfile
 import urllib.error
 import urllib.parse
+import urllib.request
 import zlib
 from pathlib import Path, PurePosixPath
 
-import torch.hub
+from tqdm import tqdm
 
 from .dataset import DataError
 
@@ -53,29 +55,38 @@ def local_archive(source: str) -> Path | None:
 
 
 def fetch(url: str, dest: Path, expected_md5: str, progress: bool = True,
-          timeout: float = 60.0) -> None:
+          timeout: float = 60.0, max_bytes: int | None = None) -> None:
     """Download ``url`` to ``dest`` and check its md5; ``dest`` is absent or verified.
 
-    The bytes go to a temporary file next to ``dest``
-    (:func:`torch.hub.download_url_to_file`), which is renamed to ``dest`` only
-    when its md5 matches. A connection that delivers nothing for ``timeout``
-    seconds fails as a failed download.
+    The bytes go to a temporary file next to ``dest``, which is renamed to
+    ``dest`` only when its md5 matches. A connection that delivers nothing for
+    ``timeout`` seconds fails as a failed download, and so does one that
+    announces or delivers more than ``max_bytes`` (a wrong URL or an endless
+    server would otherwise fill the disk): it stops at the cap.
+
+    Args:
+        url: ``http(s)://``, ``ftp://`` or ``file://`` URL.
+        dest: the file to create.
+        expected_md5: hex md5 the file must have.
+        progress: show a progress bar (tqdm, on stderr).
+        timeout: seconds a connection may stay silent.
+        max_bytes: the most bytes accepted; ``None`` for no cap.
 
     Raises:
         OSError: the download failed (the message says how to proceed offline).
-        DataError: the md5 does not match (the download is deleted).
+        DataError: more than ``max_bytes``, or the md5 does not match (nothing is
+            kept either way).
     """
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.part")
     try:
         try:
-            # download_url_to_file takes no timeout; its urlopen uses the default one.
-            previous = socket.getdefaulttimeout()
-            socket.setdefaulttimeout(timeout)
-            try:
-                torch.hub.download_url_to_file(url, str(tmp), progress=progress)
-            finally:
-                socket.setdefaulttimeout(previous)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            _download_to(url, tmp, progress, timeout, max_bytes)
+        except _TooLarge as exc:
+            raise DataError(
+                f"download from {url} stopped: {exc}, more than the {max_bytes:,} bytes "
+                f"accepted for {dest.name} (a wrong URL, or a server that does not end?); "
+                "the partial file was deleted") from None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise OSError(
                 f"could not download {url}: {reason}. Without internet access, put "
@@ -91,6 +102,31 @@ def fetch(url: str, dest: Path, expected_md5: str, progress: bool = True,
         os.replace(tmp, dest)  # atomic: dest is either absent or complete
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class _TooLarge(Exception):
+    """The download is larger than its cap (the message says how large)."""
+
+
+def _download_to(url: str, path: Path, progress: bool, timeout: float,
+                 max_bytes: int | None) -> None:
+    """Stream ``url`` into the new file ``path``, at most ``max_bytes`` of it."""
+    request = urllib.request.Request(url, headers={"User-Agent": "qsv_pyg"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        length = response.headers.get("Content-Length") if response.headers else None
+        total = int(length) if length and length.strip().isdigit() else None
+        if max_bytes is not None and total is not None and total > max_bytes:
+            raise _TooLarge(f"the server announced {total:,} bytes")
+        with open(path, "xb") as f, tqdm(total=total, disable=not progress, unit="B",
+                                         unit_scale=True, unit_divisor=1024,
+                                         file=sys.stderr) as bar:
+            done = 0
+            while chunk := response.read(_CHUNK):
+                done += len(chunk)
+                if max_bytes is not None and done > max_bytes:
+                    raise _TooLarge(f"it sent more than {max_bytes:,} bytes")
+                f.write(chunk)
+                bar.update(len(chunk))
 
 
 def _refuse_unsafe(archive: Path):

@@ -3,7 +3,10 @@
 Runs are launched in a subprocess (``python -m qsv_pyg.training.cli``) by
 default: every run then starts from a fresh interpreter (no model, data or
 allocator state leaks from one run into the next, a crash or out-of-memory kill
-stays in its run, and Ctrl-C reaches the trainer, which checkpoints). The
+stays in its run, and Ctrl-C reaches the trainer, which checkpoints). A
+subprocess stops too when this process dies, even by SIGKILL
+(:mod:`~qsv_pyg.training.parent_death`): it saves a checkpoint at its next step
+and ends, releasing its run folder, instead of training on unattended. The
 ``in-process`` launcher calls :func:`qsv_pyg.training.cli.main` directly; it
 saves the interpreter start-up (a few seconds per run) and suits tiny runs and
 tests.
@@ -18,15 +21,20 @@ import sys
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Tuple
 
 from qsv_pyg.training import cli as train_cli
+from qsv_pyg.training.parent_death import child_env
 
-__all__ = ["LAUNCHERS", "OUTPUT_NAME", "launch_training", "tail"]
+__all__ = ["LAUNCHERS", "OUTPUT_NAME", "TRAINER_COMMAND", "launch_training", "tail"]
 
 #: Everything a run printed, appended launch after launch, in its run folder.
 OUTPUT_NAME = "output.txt"
 LAUNCHERS = ("subprocess", "in-process")
+#: What the subprocess launcher runs, followed by the ``qsv-train`` arguments (a
+#: test may point it at a stand-in that calls
+#: :func:`~qsv_pyg.training.parent_death.stop_with_parent` as ``qsv-train`` does).
+TRAINER_COMMAND: Tuple[str, ...] = (sys.executable, "-m", "qsv_pyg.training.cli")
 
 
 def launch_training(argv: Sequence[str], out_dir: Path, launcher: str = "subprocess") -> int:
@@ -52,11 +60,13 @@ def launch_training(argv: Sequence[str], out_dir: Path, launcher: str = "subproc
 
 
 def _run_subprocess(argv: Sequence[str], log) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The child stops (checkpoint at its next step) if this process dies, even by
+    # SIGKILL: it would otherwise train on, holding its run folder's lock.
+    env = child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     # The child imports this very checkout even when the package is not installed.
     source_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "qsv_pyg.training.cli", *argv],
+    proc = subprocess.Popen([*TRAINER_COMMAND, *argv],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         return proc.wait()

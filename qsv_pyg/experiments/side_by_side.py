@@ -10,7 +10,11 @@ use the cores. :func:`run_side_by_side` keeps the runner's sequential rules:
   flight end on their own, then the first error is raised;
 * on Ctrl-C the main thread waits until every task in flight has ended (the
   trainers got the same signal and are writing their checkpoints), then raises
-  ``interrupted()``.
+  ``interrupted()``;
+* if this process dies without a word (SIGKILL), the trainers stop by
+  themselves at their next step, with a checkpoint
+  (:mod:`~qsv_pyg.training.parent_death`; the thread that started a trainer
+  waits for it, so the parent-death signal fires only with the process).
 """
 from __future__ import annotations
 

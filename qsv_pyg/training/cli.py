@@ -10,7 +10,8 @@ is generated from the fields of ``TrainConfig``.
 
 Exit codes: 0 success (also when ``--time-budget`` stopped the run), 1 non-finite
 loss, 2 user or environment error (bad flags, missing data, unusable checkpoint
-or run folder: one line on stderr, the traceback with ``--debug``), 130
+or run folder, a disk that filled up at a checkpoint: one line on stderr, the
+traceback with ``--debug``), 130
 interrupted (Ctrl-C / SIGTERM; a checkpoint was saved when possible).
 """
 from __future__ import annotations
@@ -31,12 +32,14 @@ from qsv_pyg.models.graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig, field_kind, flag_of, preset_config
+from .parent_death import stop_with_parent
 from .presets import AUTO_PRESETS, PRESETS, resolve_auto_preset
 from .resume import config_for_resume
-from .run_files import RunFolderError, find_checkpoint
+from .run_files import RunFolderError, as_write_error, find_checkpoint
 from .trainer import NonFiniteLossError, TrainingInterrupted, train
 
-__all__ = ["CLI_ONLY", "build_parser", "config_from_args", "main", "parse_fields"]
+__all__ = ["CLI_ONLY", "as_user_error", "build_parser", "config_from_args", "main",
+           "parse_fields"]
 
 #: Flags of ``qsv-train`` that are not configuration fields.
 CLI_ONLY = ("config", "list_presets", "resume", "debug")
@@ -213,6 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         The process exit code (see the module docstring).
     """
+    stop_with_parent()  # launched by the experiment runner: stop when it dies
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -232,17 +236,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         return _run(explicit, say)
-    except USER_ERRORS as err:
+    except Exception as err:
         # The one place that turns an error in the user's input or environment into
         # exit 2: one line (the traceback only with --debug).
+        user_error = as_user_error(err)
+        if user_error is None:
+            raise
         if debug and loud:
             traceback.print_exc()
-        say("error: " + _one_line(err))
+        say("error: " + _one_line(user_error))
         return 2
     except KeyboardInterrupt:
         say("interrupted outside the training loop; nothing more was saved (an existing "
             "checkpoint stays valid for --resume)")
         return 130
+
+
+def as_user_error(err: BaseException) -> Optional[BaseException]:
+    """The error to report with exit code 2 for ``err``, or ``None`` when it is a bug.
+
+    The :data:`USER_ERRORS`, and torch's zip-writer ``RuntimeError`` of a failed
+    write (a full disk at a later checkpoint) as the
+    :class:`~qsv_pyg.training.run_files.RunFolderError` it stands for.
+    """
+    if isinstance(err, USER_ERRORS):
+        return err
+    return as_write_error(err)
 
 
 def _one_line(err: BaseException) -> str:

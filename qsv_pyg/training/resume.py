@@ -4,7 +4,9 @@ A resumed run continues exactly, so everything it resumes on must be what the
 checkpoint was written for. Before any state is loaded this module checks
 
 * the configuration: equal to the checkpoint's except for the
-  :func:`~qsv_pyg.training.config.resume_overridable` fields;
+  :func:`~qsv_pyg.training.config.resume_overridable` fields and the fields an
+  older checkpoint lacks (:func:`unrecorded_fields`: they resume at the value
+  given, or today's default, with a warning naming them);
 * the data: the dataset, the number of training and test images (and the
   labels' checksum, in checkpoints that carry it) and so ``steps_per_epoch``;
 * the position: an epoch and batch that exist in this run, and a scheduler
@@ -17,7 +19,9 @@ what differs, which the command line turns into exit code 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -28,12 +32,14 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
-from .config import ConfigError, TrainConfig, flag_of, resume_overridable
+from .config import _BEFORE_FIELD_EXISTED, ConfigError, TrainConfig, flag_of, resume_overridable
 from .state import LoopState, empty_partial
 
 __all__ = ["budget_so_far", "check_data", "config_for_resume", "data_facts",
-           "load_for_resume", "read_training_checkpoint", "restore", "restore_model"]
+           "load_for_resume", "read_training_checkpoint", "restore", "restore_model",
+           "unrecorded_fields"]
 
+_LOG = logging.getLogger(__name__)
 _REQUIRED = ("config", "model", "optimizer", "epoch", "batch", "rng")
 
 
@@ -53,6 +59,23 @@ def read_training_checkpoint(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     return state
 
 
+def unrecorded_fields(saved: Dict[str, Any]) -> Tuple[str, ...]:
+    """Fields that a checkpoint's stored configuration ``saved`` lacks and whose value
+    in that run is unknown.
+
+    A checkpoint written before a field existed lacks it. Where the behaviour
+    before the field is known (``config._BEFORE_FIELD_EXISTED``), the run resumes
+    with that value as if it had been stored; the others resume at the value given
+    now, or today's default, which the checkpoint never fixed. The
+    :func:`~qsv_pyg.training.config.resume_overridable` fields are not listed:
+    they may differ anyway.
+    """
+    allowed = resume_overridable()
+    return tuple(name for name in TrainConfig.describe()
+                 if name not in saved and name not in _BEFORE_FIELD_EXISTED
+                 and name not in allowed)
+
+
 def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str, Any]
                       ) -> TrainConfig:
     """The configuration stored in ``checkpoint`` with the allowed ``overrides``.
@@ -61,8 +84,12 @@ def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str,
         checkpoint: checkpoint file.
         overrides: config fields given explicitly for the resumed run. Fields in
             :func:`~qsv_pyg.training.config.resume_overridable` replace the stored
-            values; any other field must equal the stored value. ``out_dir``
-            defaults to the checkpoint's folder.
+            values; any other field must equal the stored value, except a field
+            the checkpoint lacks (:func:`unrecorded_fields`): it takes the value
+            given. ``out_dir`` defaults to the checkpoint's folder.
+
+    A checkpoint that lacks fields is resumed with a warning (logger
+    ``qsv_pyg.training.resume``) naming each and the value it resumes at.
 
     Raises:
         ConfigError: unreadable checkpoint, or an override that would change what
@@ -70,18 +97,50 @@ def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str,
     """
     allowed = resume_overridable()
     state = read_training_checkpoint(checkpoint)
-    cfg = TrainConfig.from_dict(state["config"])
-    changed = sorted(k for k, v in overrides.items() if k not in allowed and getattr(cfg, k) != v)
+    saved = state["config"]
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{checkpoint}: its configuration is not a dict; the checkpoint is "
+                          "damaged")
+    cfg = TrainConfig.from_dict(saved)  # fields it lacks: their old behaviour, or today's
+    unrecorded = unrecorded_fields(saved)
+    changed = sorted(k for k, v in overrides.items()
+                     if k not in allowed and k not in unrecorded and getattr(cfg, k) != v)
     if changed:
         details = ", ".join(f"{flag_of(k)} {getattr(cfg, k)!r} -> {overrides[k]!r}"
+                            + (" (the checkpoint predates the option: that was its "
+                               "behaviour)" if k not in saved else "")
                             for k in changed)
         flags = ", ".join(flag_of(k) for k in sorted(allowed))
         raise ConfigError(f"cannot change {details} when resuming {checkpoint}; only {flags} "
                           "may differ (start a new run instead)")
-    cfg = cfg.replace(**{k: v for k, v in overrides.items() if k in allowed})
+    cfg = cfg.replace(**{k: v for k, v in overrides.items() if k in allowed or k in unrecorded})
     if not overrides.get("out_dir"):
         cfg.out_dir = str(Path(checkpoint).parent)
+    _tell_missing(checkpoint, saved, cfg, overrides)
     return cfg
+
+
+def _tell_missing(checkpoint: "str | os.PathLike[str]", saved: Dict[str, Any],
+                  cfg: TrainConfig, overrides: Dict[str, Any]) -> None:
+    """Warn about the fields ``saved`` lacks and the values the run resumes at."""
+    allowed = resume_overridable()
+    flags = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata["group"] is not None]
+    missing = [k for k in flags if k not in saved and k not in allowed]
+    if not missing:
+        return
+
+    def why(name: str) -> str:
+        if name in _BEFORE_FIELD_EXISTED:
+            return "its behaviour before the option existed"
+        return "as given" if name in overrides else "today's default"
+
+    values = ", ".join(f"{flag_of(k)} {getattr(cfg, k)!r} ({why(k)})" for k in missing)
+    message = (f"{checkpoint} was written before {len(missing)} option(s) existed; "
+               f"resuming with {values}")
+    guess = [flag_of(k) for k in missing if k not in _BEFORE_FIELD_EXISTED and k not in overrides]
+    if guess:
+        message += f"; give {', '.join(guess)} if the run trained with another value"
+    _LOG.warning(message)
 
 
 def load_for_resume(path: "str | os.PathLike[str]", cfg: TrainConfig,
@@ -94,9 +153,13 @@ def load_for_resume(path: "str | os.PathLike[str]", cfg: TrainConfig,
     """
     state = read_training_checkpoint(path)
     allowed = resume_overridable()
+    if not isinstance(state["config"], dict):
+        raise ConfigError(f"{path}: its configuration is not a dict; the checkpoint is damaged")
+    unrecorded = set(unrecorded_fields(state["config"]))  # the checkpoint never fixed them
     saved = TrainConfig.from_dict(state["config"]).to_dict()
     mine = cfg.to_dict()
-    differ = sorted(k for k, v in saved.items() if k not in allowed and mine[k] != v)
+    differ = sorted(k for k, v in saved.items()
+                    if k not in allowed and k not in unrecorded and mine[k] != v)
     if differ:
         raise ConfigError(f"the configuration differs from the checkpoint's in {differ}; "
                           "build it with config_for_resume()")

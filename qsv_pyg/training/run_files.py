@@ -49,6 +49,7 @@ __all__ = [
     "RUN_FILES",
     "RunFolderError",
     "append_jsonl",
+    "as_write_error",
     "atomic_write",
     "checkpoint_file",
     "clean_stale_temps",
@@ -128,8 +129,9 @@ def atomic_write(path: PathLike, write: Callable[[IO], None], *, binary: bool = 
         binary: open the file in binary (``"wb"``) instead of text (UTF-8) mode.
 
     Raises:
-        RunFolderError: an :class:`OSError` while writing (the message names
-            ``path`` and the reason, e.g. "No space left on device").
+        RunFolderError: an :class:`OSError` while writing, or the ``RuntimeError``
+            that torch's zip writer makes of one (:func:`as_write_error`; the
+            message names ``path`` and the reason, e.g. "No space left on device").
     """
     path = Path(path)
     tmp = _temp_name(path)
@@ -147,10 +149,55 @@ def atomic_write(path: PathLike, write: Callable[[IO], None], *, binary: bool = 
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(err, OSError) and not isinstance(err, RunFolderError):
-            raise RunFolderError(f"cannot write {path}: {_os_reason(err)}", err.errno) from err
+        failed = as_write_error(err, path)
+        if failed is not None and failed is not err:
+            raise failed from err
         raise
     _fsync_dir(path.parent)
+
+
+#: Messages of the RuntimeError that torch's zip writer (``torch.save``) raises when a
+#: write fails (a full disk, ``ulimit -f``): the failed write is only its context.
+_TORCH_WRITE_FAILURES = ("inline_container", "file write failed", "unexpected pos")
+
+
+def as_write_error(err: BaseException, path: Optional[PathLike] = None
+                   ) -> Optional["RunFolderError"]:
+    """``err`` as the :class:`RunFolderError` of a failed write, or ``None`` if it is none.
+
+    A :class:`RunFolderError` is returned as it is, another :class:`OSError` and the
+    ``RuntimeError`` of torch's zip writer (``[enforce fail at inline_container.cc:...]
+    unexpected pos ...``, ``file write failed``) become one naming ``path`` and the
+    reason: the underlying :class:`OSError`'s where torch kept it as the context
+    (e.g. "No space left on device"), else "write failed".
+    """
+    if isinstance(err, RunFolderError):
+        return err
+    if isinstance(err, OSError):
+        cause: BaseException = err
+    elif isinstance(err, RuntimeError) and any(
+            needle in str(err) for needle in _TORCH_WRITE_FAILURES):
+        cause = err
+        while cause is not None and not isinstance(cause, OSError):  # the failed write
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            where = f" {path}" if path is not None else ""
+            return RunFolderError(f"cannot write{where}: write failed (no space left on the "
+                                  f"device, or a file-size limit?) ({_first_line(err)})",
+                                  errno.EIO)
+    else:
+        return None
+    where = path if path is not None else getattr(cause, "filename", None)
+    reason = _os_reason(cause)
+    if cause.errno == errno.EFBIG:
+        reason += " (the file-size limit of this process, ulimit -f)"
+    return RunFolderError(f"cannot write {where}: {reason}" if where is not None
+                          else f"write failed: {reason}", cause.errno)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return " ".join(lines[0].split()) if lines else type(err).__name__
 
 
 def write_text(path: PathLike, text: str) -> None:
