@@ -3,6 +3,8 @@ no root weight, no MLP, kernel-only; their parameter counts, training, flags, pr
 and the block table."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -129,3 +131,45 @@ def test_block_table_plan(tmp_path):
     assert len(specs) == 11  # nine rows at seed 0, the kernel-only pair at seed 1 too
     assert specs[0].row.slug == "kernel-only-qsv"
     assert specs[0].config.model_overrides()["root_weight"] is False
+
+
+def _fake_run(root, slug, seed, acc, params=1000):
+    folder = runner.run_dir(root, "block", slug, seed)
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps(
+        {"test_acc": acc, "steps": 100, "stopped_early": True, "epochs": 3,
+         "epochs_planned": 10, "params": params}))
+    (folder / "config.json").write_text(json.dumps({"time_budget": 30.0}))
+
+
+def test_block_report_measures_each_switch_within_its_block(tmp_path):
+    from qsv_pyg.experiments.block_report import BLOCK_FILES, PAPER_COSTS
+    from qsv_pyg.experiments.report import write_report
+
+    _fake_run(tmp_path, "full-qsv", 0, 0.65, 160_000)
+    _fake_run(tmp_path, "full-both-off", 0, 0.60, 150_000)
+    _fake_run(tmp_path, "kernel-only-qsv", 0, 0.50, 90_000)
+    _fake_run(tmp_path, "kernel-only-qsv", 1, 0.52, 90_000)
+    _fake_run(tmp_path, "kernel-only-both-off", 0, 0.30, 80_000)
+    _fake_run(tmp_path, "kernel-only-both-off", 1, 0.36, 80_000)
+    _fake_run(tmp_path, "kernel-only-identity", 0, 0.45, 80_000)
+    # A switch run without its block's QSV run of the same seed is not paired.
+    _fake_run(tmp_path, "no-mlp-both-off", 0, 0.55)
+    paths = write_report(BLOCK, tmp_path)
+    for name in BLOCK_FILES:
+        assert paths[name].is_file() and paths[name].stat().st_size > 0, name
+    costs = json.loads(paths["block_costs.json"].read_text())
+    by = {v["variant"]: v for v in costs["variants"]}
+    assert list(by) == list(BLOCK_VARIANTS)  # block order, not run order
+    assert by["full"]["costs"]["both-off"]["per_seed"] == pytest.approx([-5.0])
+    ko = by["kernel-only"]["costs"]
+    assert ko["both-off"]["seeds"] == [0, 1]
+    assert ko["both-off"]["per_seed"] == pytest.approx([-20.0, -16.0])
+    assert ko["both-off"]["mean"] == pytest.approx(-18.0)
+    assert ko["identity"]["per_seed"] == pytest.approx([-5.0])
+    assert by["no-mlp"]["costs"]["both-off"]["mean"] is None
+    assert "identity" not in by["full"]["costs"]  # not in the plan
+    assert by["kernel-only"]["kernels"]["qsv"]["params"] == 90_000
+    md = paths["block_costs.md"].read_text()
+    assert "−18.00 ± 2.83 (n=2)" in md and "−5.00" in md and "−21.8" in md
+    assert costs["paper"] == PAPER_COSTS

@@ -199,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             launcher=args.launcher, overwrite=args.overwrite,
                             progress=args.progress, jobs=args.jobs)
         # Without --seeds the table's plan ran: report every seed of the rows on disk.
-        paths = report.write_report(table, args.out_root, rows=rows, seeds=args.seeds)
+        paths = report.write_report(table, args.out_root, rows=rows, seeds=args.seeds,
+                                    warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ExperimentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

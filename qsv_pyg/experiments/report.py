@@ -50,10 +50,11 @@ from qsv_pyg.training.run_files import (
     write_text,
 )
 
+from .block_report import write_block_report
 from .budget_curve import write_budget_curves
 from .figures import plot_accuracy, plot_beta_probe
 from .runner import RUNNER_NAME, run_dir
-from .tables import PAPER_SOURCE, Row, Table
+from .tables import BLOCK, PAPER_SOURCE, Row, Table
 
 __all__ = ["REPORT_FILES", "collect", "format_markdown", "plot_accuracy", "plot_beta_probe",
            "write_report"]
@@ -739,4 +740,6 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
     plot_accuracy(summary, paths["accuracy.png"])
     plot_beta_probe(summary, paths["beta_probe.png"])
     paths.update(write_budget_curves(summary, folder))
+    if table.name == BLOCK.name:  # each kernel switch's cost within its block variant
+        paths.update(write_block_report(summary, folder))
     return paths
