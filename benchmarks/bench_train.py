@@ -158,6 +158,9 @@ def main(argv=None) -> dict:
     results = {}
     for name in tqdm(args.models, desc="models"):
         results[name] = bench_model(name, args, device)
+        # Written after every model: a run cut short by a time limit keeps what it measured.
+        write_json(args.out, {"args": vars(args), "machine": machine_info(device),
+                              "results": results, "partial": len(results) < len(args.models)})
 
     mem_key = "peak_mib" if device.type == "cuda" else "saved_mib"
     ref = results.get("qsv")
@@ -174,7 +177,8 @@ def main(argv=None) -> dict:
             shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["stage_share"].items())
             print(f"stage share ({name}, fwd+bwd): {shares}")
 
-    payload = {"args": vars(args), "machine": machine_info(device), "results": results}
+    payload = {"args": vars(args), "machine": machine_info(device), "results": results,
+               "partial": False}
     write_json(args.out, payload)
     print(f"\nwrote {args.out}")
     return payload

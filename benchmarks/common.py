@@ -1,9 +1,9 @@
 """Timing and memory helpers shared by the benchmark scripts.
 
 Timings are medians of repeats after warm-up, with CUDA synchronisation when the
-device is a GPU. Memory: on CUDA the allocator's peak; on CPU (which has no peak
-counter) the bytes autograd saves for backward, the activation memory that
-dominates a layer's training footprint, counted with saved-tensor hooks.
+device is a GPU. Memory: the bytes autograd saves for backward, the activation
+memory that dominates a layer's training footprint, counted with saved-tensor
+hooks on every device; on CUDA also the allocator's peak.
 """
 from __future__ import annotations
 
@@ -77,15 +77,12 @@ def interleaved_median_times(fns: Dict[str, Callable[[], None]], device: torch.d
 
 
 def memory_of(fn: Callable[[], torch.Tensor], device: torch.device) -> Dict[str, float]:
-    """Memory of one forward (+ backward of the returned scalar) in MiB."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        loss = fn()
-        loss.backward()
-        torch.cuda.synchronize(device)
-        return {"peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20}
+    """Memory of one forward (+ backward of the returned scalar) in MiB.
+
+    ``saved_mib``: the bytes autograd saves for backward (activation memory),
+    every device; ``peak_mib`` (CUDA only): the allocator's peak above what was
+    allocated before the call.
+    """
     seen: Dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -97,10 +94,18 @@ def memory_of(fn: Callable[[], torch.Tensor], device: torch.device) -> Dict[str,
             pass
         return t
 
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fn()
     loss.backward()
-    return {"saved_mib": sum(seen.values()) / 2**20}
+    out = {"saved_mib": sum(seen.values()) / 2**20}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return out
 
 
 def machine_info(device: torch.device) -> Dict[str, object]:

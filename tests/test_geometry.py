@@ -496,6 +496,7 @@ def test_hierarchy_to_device(hierarchy):
     assert torch.equal(h.inner_edges, hierarchy.inner_edges)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda():
     h = build_shell_hierarchy(device="cuda")

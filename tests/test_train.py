@@ -142,7 +142,7 @@ def test_the_parser_and_the_field_lists_come_from_the_config():
     assert dests - fields == {"help", "config", "list_presets", "resume", "debug"}
     # The roles give the lists that used to be kept by hand.
     assert resume_overridable() == {"out_dir", "data_dir", "download", "download_url", "device",
-                                    "time_budget", "threads", "progress", "compile"}
+                                    "time_budget", "threads", "progress", "compile", "tf32"}
     assert set(fields_with_role(SHARED)) == {
         "dataset", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
         "min_lr_ratio", "label_smoothing", "subset", "test_subset", "time_budget",

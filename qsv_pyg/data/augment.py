@@ -128,9 +128,58 @@ def random_crop_flip(images: torch.Tensor, padding: int = 4,
     return out.masked_fill_(~valid, 0)  # pixels that came from the zero padding
 
 
+def _check_stats(mean: Sequence[float], std: Sequence[float],
+                 channels: int | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``mean``/``std`` as tuples of floats, checked on the host (no device tensor).
+
+    Raises:
+        ValueError: different lengths, not ``channels`` entries, or a std that is not
+            positive (or not finite).
+    """
+    mean_t = tuple(float(m) for m in mean)
+    std_t = tuple(float(s) for s in std)
+    c = len(mean_t) if channels is None else channels
+    if len(mean_t) != c or len(std_t) != c:
+        raise ValueError(f"mean and std need {c} entries; got {len(mean_t)} and {len(std_t)}")
+    if not all(s > 0 and s < float("inf") for s in std_t):
+        raise ValueError(f"std must be positive; got {list(std_t)}")
+    return mean_t, std_t
+
+
+#: ``(mean, std, device) -> ([C] mean, [C] std)`` float32 tensors: built once per device.
+_STATS_ON_DEVICE: dict = {}
+
+
+def _stats_on(mean: tuple[float, ...], std: tuple[float, ...],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked ``mean``/``std`` as float32 tensors on ``device``, cached.
+
+    Building them on a GPU is a host-to-device copy, which waits for the device:
+    done once per ``(mean, std, device)`` rather than once per batch.
+    """
+    key = (mean, std, device)
+    hit = _STATS_ON_DEVICE.get(key)
+    if hit is None:
+        hit = (torch.tensor(mean, dtype=torch.float32, device=device),
+               torch.tensor(std, dtype=torch.float32, device=device))
+        _STATS_ON_DEVICE[key] = hit
+    return hit
+
+
+def _normalize(images: torch.Tensor, mean_t: torch.Tensor, std_t: torch.Tensor) -> torch.Tensor:
+    c = images.shape[1]
+    out = images.to(torch.float32).div_(255.0)
+    return out.sub_(mean_t.view(1, c, 1, 1)).div_(std_t.view(1, c, 1, 1))
+
+
 def normalize(images: torch.Tensor, mean: Sequence[float] | torch.Tensor,
               std: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Scale uint8 pixels to [0, 1] and standardise each channel.
+
+    Sequences of numbers are checked on the host and their device copies are cached,
+    so a call reads nothing back from the device. Tensors are checked too, which
+    waits for the device when they live on one; prefer sequences (or
+    :class:`BatchAugment`) in a training loop.
 
     Args:
         images: ``[N, C, H, W]`` uint8 batch on any device.
@@ -149,15 +198,17 @@ def normalize(images: torch.Tensor, mean: Sequence[float] | torch.Tensor,
     """
     _check_uint8_batch(images, "normalize")
     c = images.shape[1]
-    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(-1)
-    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(-1)
-    if mean_t.numel() != c or std_t.numel() != c:
-        raise ValueError(f"mean and std need {c} entries; got {mean_t.numel()} and "
-                         f"{std_t.numel()}")
-    if bool((std_t <= 0).any()):
-        raise ValueError(f"std must be positive; got {std_t.tolist()}")
-    out = images.to(torch.float32).div_(255.0)
-    return out.sub_(mean_t.view(1, c, 1, 1)).div_(std_t.view(1, c, 1, 1))
+    if torch.is_tensor(mean) or torch.is_tensor(std):
+        mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(-1)
+        std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(-1)
+        if mean_t.numel() != c or std_t.numel() != c:
+            raise ValueError(f"mean and std need {c} entries; got {mean_t.numel()} and "
+                             f"{std_t.numel()}")
+        if bool((std_t <= 0).any()):
+            raise ValueError(f"std must be positive; got {std_t.tolist()}")
+        return _normalize(images, mean_t, std_t)
+    mean_h, std_h = _check_stats(mean, std, c)
+    return _normalize(images, *_stats_on(mean_h, std_h, images.device))
 
 
 @dataclass(frozen=True)
@@ -171,13 +222,23 @@ class BatchAugment:
         flip: apply random horizontal flips.
 
     Calling it maps a ``[B, 3, H, W]`` uint8 batch (and an optional generator) to a
-    ``[B, 3, H, W]`` float32 batch on the same device.
+    ``[B, 3, H, W]`` float32 batch on the same device. ``mean`` and ``std`` are
+    checked once, here, on the host; their device copies are made on the first
+    batch of each device and reused, so a call never waits for the device.
+
+    Raises:
+        ValueError: ``mean``/``std`` of different lengths or a std that is not positive.
     """
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
     crop_padding: int = 0
     flip: bool = False
+
+    def __post_init__(self) -> None:
+        mean, std = _check_stats(self.mean, self.std)
+        object.__setattr__(self, "mean", mean)  # frozen: tuples of floats from here on
+        object.__setattr__(self, "std", std)
 
     @classmethod
     def for_dataset(cls, name: str, train: bool) -> "BatchAugment":
@@ -219,7 +280,11 @@ class BatchAugment:
         """
         if self.is_random:
             images = random_crop_flip(images, self.crop_padding, generator, flip=self.flip)
-        return normalize(images, self.mean, self.std)
+        _check_uint8_batch(images, "normalize")
+        if images.shape[1] != len(self.mean):
+            raise ValueError(f"mean and std need {images.shape[1]} entries; got "
+                             f"{len(self.mean)} and {len(self.std)}")
+        return _normalize(images, *_stats_on(self.mean, self.std, images.device))
 
 
 def _make_generator(device: torch.device, seed: int) -> torch.Generator:
@@ -336,7 +401,9 @@ class DeviceLoader:
             and ``[B]`` int64, both on ``device``; ``B = batch_size`` except possibly
             for the last batch.
         """
-        order = self.indices(epoch).to(self.device)
+        # non_blocking: a copy from pageable host memory that does not wait for the
+        # device queue (a plain .to() would, once per epoch).
+        order = self.indices(epoch).to(self.device, non_blocking=True)
         for b in range(start_batch, len(self)):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
             gen = _make_generator(self.device,

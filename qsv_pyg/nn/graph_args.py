@@ -49,8 +49,10 @@ def batch_edge_index(edge_index: Tensor, batch: int, num_src: int, num_dst: int)
     b * num_dst)``, concatenated in batch order: ``[2, batch * E]``."""
     if type(edge_index) is not Tensor:  # EdgeIndex; as_subclass breaks compile
         edge_index = edge_index.as_subclass(Tensor)
-    offsets = torch.arange(batch, device=edge_index.device).view(batch, 1, 1)
-    offsets = offsets * torch.tensor([num_src, num_dst], device=edge_index.device).view(1, 2, 1)
+    # From arange and Python scalars only: a tensor built from host data would be a
+    # host-to-device copy (a sync on CUDA) on every call.
+    b = torch.arange(batch, device=edge_index.device)
+    offsets = torch.stack([b * num_src, b * num_dst], dim=1).view(batch, 2, 1)
     return (edge_index.unsqueeze(0) + offsets).transpose(0, 1).reshape(2, -1)
 
 

@@ -190,6 +190,10 @@ class TrainConfig:
     device: str = option("auto", "auto (CUDA if available), cpu, cuda, cuda:N", group=_RUNTIME,
                          roles=(RESUME, TABLE))
     amp: str = option("none", "mixed precision, CUDA only", group=_RUNTIME, choices=AMP_MODES)
+    tf32: bool = option(
+        False, "allow TF32 (10-bit mantissa) in float32 matmuls and cuDNN convolutions on "
+        "CUDA (Ampere or newer): faster, less exact; off: full float32. Ignored off CUDA",
+        group=_RUNTIME, roles=(RESUME,))
     compile: bool = option(False, "wrap the model in torch.compile", group=_RUNTIME,
                            roles=(RESUME,))
     time_budget: Optional[float] = option(
@@ -327,7 +331,8 @@ class TrainConfig:
 _FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 #: Values that reproduce the behaviour of configs saved before these fields existed
 #: (``config.json`` from older runs lacks them; their defaults have since changed).
-_BEFORE_FIELD_EXISTED: Dict[str, Any] = {"field_lr_scale": 1.0}
+#: (``tf32``: TF32 was switched on for every CUDA run before it became an option.)
+_BEFORE_FIELD_EXISTED: Dict[str, Any] = {"field_lr_scale": 1.0, "tf32": True}
 
 
 def field_kind(name: str) -> Tuple[type, bool]:

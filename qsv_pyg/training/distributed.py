@@ -6,13 +6,20 @@ environment. :func:`init_distributed` reads them and joins the process group
 (NCCL on CUDA, Gloo on CPU); launched without them it is a no-op and every
 helper below degrades to the single-process behaviour, so the training loop has
 no ``if distributed`` branches around collectives.
+
+Small agreements between the ranks at every step (stop now? evaluate at a budget
+mark?) go through :func:`all_reduce_max_host`: a Gloo all-reduce of a CPU
+tensor. Under NCCL a device tensor would have to be created from host data and
+read back, two host-device syncs per step that stall the CUDA queue; the Gloo
+reduction only waits for the other ranks' *host* threads, which run ahead of
+their GPUs.
 """
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +28,7 @@ __all__ = [
     "DistInfo",
     "all_gather_object",
     "all_reduce_max",
+    "all_reduce_max_host",
     "all_reduce_sum",
     "barrier",
     "broadcast_object",
@@ -86,11 +94,14 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> DistInf
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+    _host_group()  # collective: created here, with the group, by every rank
     return DistInfo(rank, local_rank, world_size)
 
 
 def cleanup_distributed() -> None:
     """Leave the process group (no-op when none was joined)."""
+    global _HOST_GROUP
+    _HOST_GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -111,6 +122,38 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
+
+
+#: The Gloo group of :func:`all_reduce_max_host` when the default group is not Gloo.
+_HOST_GROUP: Optional[Any] = None
+
+
+def _host_group() -> Optional[Any]:
+    """A process group whose collectives run on CPU tensors (``None``: the default one).
+
+    Created by :func:`init_distributed` (or, for a group joined elsewhere, on
+    first use); creating it is collective, so every rank must get there.
+    """
+    global _HOST_GROUP
+    if dist.get_backend() == "gloo":
+        return None
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+def all_reduce_max_host(values: Sequence[int]) -> List[int]:
+    """Element-wise maximum of small integers over all ranks, on the host.
+
+    A CPU tensor reduced over Gloo: nothing is copied to or from a GPU, so the
+    CUDA queue keeps running (the call waits only for the other ranks' host
+    threads). Use it for per-step agreements; ``values`` itself when alone.
+    """
+    if not _active():
+        return [int(v) for v in values]
+    box = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_host_group())
+    return box.tolist()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -6,7 +6,10 @@ unit norm along the last dim). Two backends keep them on S³:
 
 * ``"riemannian"``: :class:`geoopt.optim.RiemannianAdam`. The Euclidean
   gradient is projected onto the tangent space, the moments are transported
-  and the step is retracted onto the sphere. geoopt recognises sphere
+  and the step is retracted onto the sphere. The step is geoopt's update
+  computed with foreach ops (a few dozen ops per step instead of geoopt's
+  per-parameter loop of ~19 ops per parameter); geoopt's loop stays available
+  as ``step_per_parameter()``. geoopt recognises sphere
   parameters by type, so plain ``nn.Parameter`` sphere parameters are
   **replaced in place** inside the model by ``geoopt.ManifoldParameter`` objects
   on ``geoopt.Sphere()`` (same data, same ``state_dict`` key). Build the
@@ -83,6 +86,65 @@ class ProjectedAdamW(torch.optim.AdamW):
         return loss
 
 
+def _foreach_adam_euclidean_(params: List[torch.Tensor], grads: List[torch.Tensor],
+                             exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
+                             steps: List[int], lr: float, beta1: float, beta2: float,
+                             eps: float) -> None:
+    """geoopt's Adam update on Euclidean parameters, as a handful of foreach ops.
+
+    Op for op what ``RiemannianAdam`` does per parameter with the Euclidean
+    manifold: ``m ← β₁m + (1-β₁)g``, ``v ← β₂v + (1-β₂)g²``,
+    ``p ← p - lr · (m / bc₁) / (√(v / bc₂) + ε)``.
+    """
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_add_(exp_avg_sqs, torch._foreach_mul(grads, grads), alpha=1 - beta2)
+    denom = torch._foreach_div(exp_avg_sqs, [1 - beta2 ** k for k in steps])
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    direction = torch._foreach_div(exp_avgs, [1 - beta1 ** k for k in steps])
+    torch._foreach_div_(direction, denom)
+    torch._foreach_mul_(direction, -lr)
+    torch._foreach_add_(params, direction)
+
+
+def _flat_rows(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The quaternions of ``tensors`` (each ``[..., 4]``) as one ``[M, 4]`` tensor."""
+    return torch.cat([t.reshape(-1, 4) for t in tensors])
+
+
+def _adam_sphere_(params: List[torch.Tensor], grads: List[torch.Tensor],
+                  exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor], step: int,
+                  lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """geoopt's Riemannian Adam step on ``geoopt.Sphere()`` for several parameters at once.
+
+    All quaternions (rows along the last dim) of all ``params`` are updated
+    together as one ``[M, 4]`` block; every operation is row-wise, so this is
+    per quaternion exactly what ``RiemannianAdam`` does per parameter:
+
+    * Riemannian gradient: ``g ← g - ⟨x, g⟩ x`` (projection onto the tangent space);
+    * moments: ``m ← β₁m + (1-β₁)g``, ``v ← β₂v + (1-β₂)‖g‖²`` (geoopt's
+      ``component_inner`` on the sphere: one second moment per quaternion,
+      broadcast over its 4 entries);
+    * retraction: ``x ← y / ‖y‖`` with ``y = x - lr · (m / bc₁) / (√(v / bc₂) + ε)``;
+    * transport of the first moment to the new point: ``m ← m - ⟨x, m⟩ x``.
+    """
+    x, g, m, v = (_flat_rows(t) for t in (params, grads, exp_avgs, exp_avg_sqs))
+    g = g - (x * g).sum(dim=-1, keepdim=True) * x
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).add_((g * g).sum(dim=-1, keepdim=True), alpha=1 - beta2)
+    denom = v.div(1 - beta2 ** step).sqrt_().add_(eps)
+    direction = m.div(1 - beta1 ** step) / denom
+    y = x + -lr * direction
+    y = y / y.norm(dim=-1, keepdim=True)
+    m = m - (y * m).sum(dim=-1, keepdim=True) * y
+    sizes = [t.numel() // 4 for t in params]
+    for targets, flat in ((params, y), (exp_avgs, m), (exp_avg_sqs, v)):
+        torch._foreach_copy_(targets, [piece.view(t.shape) for piece, t in
+                                       zip(flat.split(sizes), targets)])
+
+
 @functools.lru_cache(maxsize=None)
 def _riemannian_adam_class(geoopt: ModuleType) -> type:
     """Build (once) the decoupled-weight-decay RiemannianAdam subclass.
@@ -90,13 +152,30 @@ def _riemannian_adam_class(geoopt: ModuleType) -> type:
     Defined lazily so this module imports without geoopt.
     """
 
+    def manifold_kind(p: torch.Tensor) -> str:
+        manifold = getattr(p, "manifold", None)
+        if manifold is None or type(manifold) is geoopt.Euclidean:
+            return "euclidean"
+        if type(manifold) is geoopt.Sphere and manifold.projector is None and p.shape[-1] == 4:
+            return "sphere"
+        return "other"
+
     class DecoupledRiemannianAdam(geoopt.optim.RiemannianAdam):
-        """RiemannianAdam with AdamW-style decoupled weight decay.
+        """RiemannianAdam with AdamW-style decoupled weight decay, in foreach ops.
 
         geoopt adds ``weight_decay * p`` to the gradient (L2, coupled through the
         Adam denominator). Applying ``p ← p (1 - lr·wd)`` before the update instead
         makes Euclidean parameters follow exactly the AdamW rule of the projected
         backend, so switching backends only changes how sphere parameters move.
+
+        geoopt updates one parameter at a time (about 19 small ops each: 1,841
+        per step for a 98-parameter model). :meth:`step` computes the same update
+        with foreach ops over all Euclidean parameters and one row-wise block
+        update over all unit-quaternion parameters (:func:`_adam_sphere_`);
+        :meth:`step_per_parameter` is geoopt's own loop, kept as the reference (and
+        used for AMSGrad and for manifolds other than Euclidean and ``Sphere()``).
+        The state (``step`` as an int, ``exp_avg``, ``exp_avg_sq``) is geoopt's, so
+        checkpoints of either implementation load into the other.
         """
 
         backend = "riemannian"
@@ -110,7 +189,16 @@ def _riemannian_adam_class(geoopt: ModuleType) -> type:
                 if torch.is_tensor(state.get("step")):
                     state["step"] = int(state["step"].item())
 
-        def step(self, closure=None):
+        def _decay_(self) -> None:
+            """Decoupled weight decay ``p ← p (1 - lr·wd)`` of every parameter with a grad."""
+            for group in self.param_groups:
+                if group["weight_decay"] != 0:
+                    params = [p for p in group["params"] if p.grad is not None]
+                    if params:
+                        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+
+        def step_per_parameter(self, closure=None):
+            """geoopt's per-parameter loop with decoupled weight decay (the reference)."""
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -132,6 +220,57 @@ def _riemannian_adam_class(geoopt: ModuleType) -> type:
                 for group, wd in zip(self.param_groups, saved):
                     group["weight_decay"] = wd
             return loss
+
+        def step(self, closure=None):
+            if any(group["amsgrad"] for group in self.param_groups) or any(
+                    manifold_kind(p) == "other" for group in self.param_groups
+                    for p in group["params"]):
+                return self.step_per_parameter(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            with torch.no_grad():
+                self._decay_()
+                for group in self.param_groups:
+                    self._step_group(group)
+            return loss
+
+        def _step_group(self, group: dict) -> None:
+            beta1, beta2 = group["betas"]
+            lr, eps = group["lr"], group["eps"]
+            # (device, dtype, kind[, step]) -> parameters updated together.
+            buckets: Dict[tuple, List[torch.Tensor]] = {}
+            stabilize = False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("RiemannianAdam does not support sparse gradients, "
+                                       "use SparseRiemannianAdam instead")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                kind = manifold_kind(p)
+                # Sphere blocks share one bias correction: group them by step too.
+                key = (p.device, p.dtype, kind) + ((state["step"],) if kind == "sphere" else ())
+                buckets.setdefault(key, []).append(p)
+                if group["stabilize"] is not None and state["step"] % group["stabilize"] == 0:
+                    stabilize = True
+            for key, params in buckets.items():
+                states = [self.state[p] for p in params]
+                args = ([p.grad for p in params], [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states])
+                if key[2] == "sphere":
+                    _adam_sphere_(params, *args, key[3], lr, beta1, beta2, eps)
+                else:
+                    _foreach_adam_euclidean_(params, *args, [s["step"] for s in states], lr,
+                                             beta1, beta2, eps)
+            if stabilize:
+                self.stabilize_group(group)
 
     DecoupledRiemannianAdam.__qualname__ = DecoupledRiemannianAdam.__name__
     return DecoupledRiemannianAdam

@@ -101,6 +101,7 @@ def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: Di
     amp = cfg.amp if device.type == "cuda" else "none"
     if amp != cfg.amp:
         say(f"note: --amp {cfg.amp} is only used on CUDA; training in float32 on {device}")
+    _set_tf32(cfg.tf32, device, say)
     autocast = functools.partial(_autocast, device.type, _AMP[amp])
 
     # ---------------------------------------------------------------- 2. run folder, checkpoint
@@ -238,9 +239,21 @@ def _place(device: torch.device, dist_info: DistInfo) -> torch.device:
     index = dist_info.local_rank if dist_info.enabled else device.index  # torchrun picks it
     device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
     torch.cuda.set_device(device)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     return device
+
+
+def _set_tf32(enabled: bool, device: torch.device, say: Callable[[str], None] = print) -> None:
+    """``--tf32``: TF32 in float32 matmuls and cuDNN convolutions, on CUDA only.
+
+    On CUDA both switches are set to ``enabled`` (off by default: full float32,
+    whatever an earlier run in this process chose); elsewhere nothing changes.
+    """
+    if device.type != "cuda":
+        if enabled:
+            say(f"note: --tf32 is only used on CUDA; nothing changes on {device}")
+        return
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def _say(message: str, enabled: bool = True) -> None:
@@ -289,6 +302,7 @@ def _load_data(cfg: TrainConfig, world_size: int) -> Tuple[ImageDataset, ImageDa
         # --download-url implies --download.
         fetch = dict(download=True, url=cfg.download_url) if cfg.download_url else dict(
             download=cfg.download)
+        fetch["progress"] = cfg.progress  # the download bar follows --no-progress
         train_set = load_cifar(cfg.dataset, "train", cfg.data_dir, **fetch)
         test_set = load_cifar(cfg.dataset, "test", cfg.data_dir, **fetch)
     except (DataError, FileNotFoundError, ValueError) as err:

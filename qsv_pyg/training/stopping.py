@@ -7,7 +7,9 @@
   leave a run without its last state.
 * :class:`TimeBudget` is ``--time-budget`` on the clock ``--budget-clock``
   chooses: wall time since the run started, or this process's CPU time.
-* :func:`stop_requested` is the per-step check, agreed on by every rank.
+* :func:`stop_requested` is the per-step check, agreed on by every rank
+  (on the host, over Gloo: no device sync, see
+  :func:`~qsv_pyg.training.distributed.all_reduce_max_host`).
 
 The clocks are the module functions :func:`wall_clock` and
 :func:`process_clock`, looked up at every call, so a test can replace them.
@@ -23,7 +25,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from .distributed import all_reduce_max
+from .distributed import all_reduce_max_host
 
 __all__ = ["InterruptFlag", "TimeBudget", "process_clock", "stop_requested", "wall_clock"]
 
@@ -162,12 +164,15 @@ def stop_requested(interrupt: InterruptFlag, budget: TimeBudget, device: torch.d
                    distributed: bool) -> Optional[str]:
     """``"interrupt"``, ``"time_budget"`` or ``None``, agreed on by every rank.
 
-    Reads the budget's clock exactly once.
+    Reads the budget's clock exactly once. With several processes the ranks agree
+    on the host (a Gloo all-reduce of a CPU tensor), so the check never waits for
+    the GPU: it stays at every step boundary, and all ranks stop at the same one.
+    ``device`` is kept for callers; the agreement no longer uses it.
     """
     expired = budget.expired()
     code = 2 if interrupt.requested else 1 if expired else 0
     if distributed:
         # All ranks must stop at the same step, or the next all-reduce would hang.
-        code = int(all_reduce_max(torch.tensor([code], device=device)).item())
+        code = all_reduce_max_host([code])[0]
     return {0: None, 1: "time_budget", 2: "interrupt"}[code]
 

@@ -21,7 +21,17 @@ order and augmentation are functions of ``(seed, epoch, rank, batch)`` (see
 that changes during training (:class:`~qsv_pyg.training.state.LoopState`, the
 RNG state of every rank). On the CPU, an interrupted and resumed run writes the
 same ``log.jsonl`` as an uninterrupted one, bit for bit, apart from the timing
-fields (:data:`TIMING_FIELDS`).
+fields (:data:`TIMING_FIELDS`). That holds on the CPU only. On CUDA a resumed
+run continues from exactly the saved state, but its later steps are not
+guaranteed to match an uninterrupted run bit for bit: reductions by float
+atomics (``index_add`` and ``scatter`` in PyG's attention layers and in the
+PyTorch path of the QSV operator), cuBLAS/cuDNN algorithm choice, and TF32
+(``--tf32``) or bf16 (``--amp``) rounding vary from run to run.
+``torch.use_deterministic_algorithms(True)`` is no general way out: the CUDA
+backward of ``grid_sample`` (the patch embedding,
+:mod:`qsv_pyg.models.embedding`) has no deterministic kernel and raises, when
+it runs (only if the images or the sampling grid require a gradient; training
+does not). ``benchmarks/check_determinism.py`` measures it on a GPU.
 
 Stopping early (:mod:`~qsv_pyg.training.stopping`):
 
@@ -34,6 +44,12 @@ Stopping early (:mod:`~qsv_pyg.training.stopping`):
   evaluation) is saved the same way; one raised in the middle of an optimiser
   step cannot be saved exactly, so then nothing is written and the last
   checkpoint stays the resume point.
+* **The C++ CPU kernel** of QSV attention (:mod:`qsv_pyg.nn._cpu_ext`) is
+  built (about a minute, once per machine) or loaded before the first step
+  (:func:`_build_kernel`), not inside it. A Ctrl-C during the compile, which
+  stops the compiler too, makes this process use the PyTorch implementation;
+  the loop then stops at its first step boundary and saves, and a second
+  Ctrl-C there is a ``KeyboardInterrupt`` between steps, saved the same way.
 * **Time budget** (``cfg.time_budget`` minutes of ``cfg.budget_clock``):
   checked before every step; the run saves a mid-epoch checkpoint, evaluates
   and writes ``metrics.json`` with ``stopped_early: true``.
@@ -56,12 +72,14 @@ from tqdm import tqdm
 
 from qsv_pyg.data import DeviceLoader
 from qsv_pyg.models import available_models
+from qsv_pyg.nn import QSVConv, _cpu_ext
 from qsv_pyg.utils import cpu_name
 
 from . import stopping
 from .checkpoint import capture_rng_state, save_checkpoint
 from .config import ConfigError, TrainConfig
-from .distributed import all_gather_object, all_reduce_max, cleanup_distributed, init_distributed
+from .distributed import all_gather_object, all_reduce_max_host, cleanup_distributed
+from .distributed import init_distributed
 from .run_files import LOG_NAME, METRICS_NAME, RunFolderError, append_jsonl, truncate_log
 from .run_files import write_json
 from .schedule import warmup_cosine_factor
@@ -178,6 +196,7 @@ def _fit(run: Run, state: LoopState, progress: _Progress,
         ``None`` (all epochs done), ``"time_budget"`` or ``"interrupt"``.
     """
     try:
+        _build_kernel(run, interrupt)
         while state.epoch < run.cfg.epochs:
             # ---- train one epoch (from state.batch, which is > 0 only after a resume)
             stop_reason = _train_epoch(run, state, progress, interrupt)
@@ -198,6 +217,22 @@ def _fit(run: Run, state: LoopState, progress: _Progress,
             state.partial["train_seconds"] = time.perf_counter() - progress.t_epoch
         return "interrupt"
     return None
+
+
+def _build_kernel(run: Run, interrupt: stopping.InterruptFlag) -> None:
+    """Build (or load) the C++ CPU kernel now if the model will use it.
+
+    Built lazily inside the first step, a compile of about a minute would sit
+    in the middle of a step: a terminal Ctrl-C (which stops the compiler too)
+    would then interrupt that step. Here it is between steps: an interrupted
+    build falls back to the PyTorch implementation (with a warning), the loop
+    stops at its first step boundary and saves; a wait for another process's
+    build ends as soon as a stop is requested.
+    """
+    if interrupt.requested or run.device.type != "cpu" \
+            or not any(isinstance(m, QSVConv) for m in run.model.modules()):
+        return  # (already stopping: the loop ends before its first step)
+    _cpu_ext.cpu_kernel(stop=lambda: interrupt.requested)
 
 
 def _train_epoch(run: Run, state: LoopState, progress: _Progress,
@@ -358,7 +393,7 @@ def _evaluate_at_mark(run: Run, state: LoopState) -> None:
     """
     due = 1 if run.marks and run.budget.run_seconds() >= 60.0 * run.marks[0] else 0
     if run.dist.enabled:
-        due = int(all_reduce_max(torch.tensor([due], device=run.device)).item())
+        due = all_reduce_max_host([due])[0]  # agreed on the host: no device sync
     if not due:
         return
     t0 = run.budget.now()

@@ -1,0 +1,256 @@
+"""Verdicts of a ``benchmarks/run_gpu.sh`` run: one summary table and ``summary.json``.
+
+    python benchmarks/gpu_report.py benchmarks/out/gpu-<date>
+
+Reads the JSON files the steps wrote (and ``steps.tsv``: every step's exit
+status and seconds) and judges the GPU targets:
+
+* conv: QSVConv (``qsv``) forward+backward ≤ 0.5× GATConv's time and activation
+  memory (bytes saved for backward) ≤ 0.25× GATConv's, on every kNN and random
+  graph with N ≥ 16k, in fp32 and in bf16;
+* one CIFAR-10 epoch of ``paper-qsv`` ≤ 20 s (an H100/H200 target);
+* compiled training throughput ≥ eager, every model, fp32 and bf16;
+* deterministic mode: two identical runs bit-identical, per model;
+* the CUDA tests pass and the DDP (NCCL) smoke test runs.
+
+A check whose file is missing (its step failed or ran out of time) is
+``unmeasured``, with the step's status.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+MIN_N = 16_384
+CONV_TIME_BOUND, CONV_MEMORY_BOUND = 0.5, 0.25
+EPOCH_BOUND_S = 20.0
+PRECISIONS = ("fp32", "bf16")
+
+
+def input_files() -> List[str]:
+    """Every file the report reads (``steps.tsv`` from run_gpu.sh, the rest from its steps)."""
+    return (["steps.tsv", "gpu.txt", "epoch-paper-qsv.json", "determinism.json", "ddp.json"]
+            + [f"conv-{p}.json" for p in PRECISIONS]
+            + [f"train-{m}-{p}.json" for m in ("eager", "compiled") for p in PRECISIONS])
+
+
+def _load(folder: Path, name: str) -> Optional[dict]:
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_steps(folder: Path) -> Dict[str, dict]:
+    """``name -> {rc, seconds, budget}`` from ``steps.tsv``."""
+    steps: Dict[str, dict] = {}
+    path = folder / "steps.tsv"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) == 4 and parts[0] != "step":
+                steps[parts[0]] = {"rc": int(parts[1]), "seconds": float(parts[2]),
+                                   "budget": float(parts[3])}
+    return steps
+
+
+def _status(steps: Dict[str, dict], step: str) -> str:
+    s = steps.get(step)
+    if s is None:
+        return f"unmeasured (step {step} did not run)"
+    if s["rc"] in (124, 137):
+        return f"unmeasured (step {step} hit its {s['budget']:.0f} s limit)"
+    if s["rc"] != 0:
+        return f"unmeasured (step {step} failed, exit {s['rc']})"
+    return f"unmeasured (step {step} wrote no result)"
+
+
+def _row(check: str, measured: str, target: str, verdict: str) -> dict:
+    return {"check": check, "measured": measured, "target": target, "verdict": verdict}
+
+
+def conv_checks(folder: Path, steps: Dict[str, dict]) -> List[dict]:
+    rows = []
+    for prec in PRECISIONS:
+        step = f"conv-{prec}"
+        payload = _load(folder, f"{step}.json")
+        for what, key, bound in (("time", "fwd_bwd_ms", CONV_TIME_BOUND),
+                                 ("activation memory", "saved_mib", CONV_MEMORY_BOUND)):
+            check = f"QSVConv {what} ÷ GATConv, kNN + random, N ≥ 16k, {prec}"
+            target = f"≤ {bound}× on every graph"
+            if payload is None:
+                rows.append(_row(check, "-", target, _status(steps, step)))
+                continue
+            ratios, missing = [], []
+            for r in payload["results"]:
+                if r.get("graph") not in ("knn", "random") or r["n"] < MIN_N:
+                    continue
+                t = r["layers"]
+                if "qsv" in t and "gat" in t and t["gat"].get(key):
+                    ratios.append((t["qsv"][key] / t["gat"][key], f"{r['graph']} N={r['n']} "
+                                                                  f"k={r['k']}"))
+                else:
+                    missing.append(f"{r['graph']} N={r['n']} k={r['k']}")
+            if not ratios:
+                rows.append(_row(check, "no graph measured " + "; ".join(missing), target,
+                                 "unmeasured (layers failed: see the JSON's errors)"))
+                continue
+            worst, where = max(ratios)
+            within = sum(x <= bound for x, _ in ratios)
+            ok = within == len(ratios) and not missing
+            measured = (f"worst {worst:.2f}× ({where}), {within}/{len(ratios)} graphs within"
+                        + (f"; not measured: {', '.join(missing)}" if missing else ""))
+            rows.append(_row(check, measured, target, "met" if ok else "missed"))
+    return rows
+
+
+def epoch_check(folder: Path, steps: Dict[str, dict], gpu: str) -> dict:
+    payload = _load(folder, "epoch-paper-qsv.json")
+    check = f"one CIFAR-10 epoch of paper-qsv ({gpu or 'GPU'})"
+    target = f"≤ {EPOCH_BOUND_S:.0f} s (H100/H200)"
+    if payload is None or not payload["result"].get("epoch_s_50k"):
+        return _row(check, "-", target, _status(steps, "epoch-paper-qsv"))
+    r = payload["result"]
+    kind = "warm" if "warm_epoch_s" in r else "cold (an upper bound)"
+    parts = [f"{r['epoch_s_50k']:.1f} s {kind}"]
+    if r.get("cold_epoch_s_50k") and "warm_epoch_s" in r:
+        parts.append(f"first epoch {r['cold_epoch_s_50k']:.1f} s")
+    if "eval_s" in r:
+        parts.append(f"+ {r['eval_s']:.1f} s evaluation")
+    parts.append("synthetic data" if r.get("synthetic_data") else "CIFAR-10")
+    ok = r["epoch_s_50k"] <= EPOCH_BOUND_S
+    return _row(check, "; ".join(parts), target, "met" if ok else "missed")
+
+
+def train_checks(folder: Path, steps: Dict[str, dict]) -> List[dict]:
+    rows = []
+    for prec in PRECISIONS:
+        eager = _load(folder, f"train-eager-{prec}.json")
+        compiled = _load(folder, f"train-compiled-{prec}.json")
+        check = f"compiled ≥ eager training throughput, every model, {prec}"
+        target = "≥ 1.0× per model"
+        if eager is None or compiled is None:
+            which = f"train-eager-{prec}" if eager is None else f"train-compiled-{prec}"
+            rows.append(_row(check, "-", target, _status(steps, which)))
+            continue
+        e, c = eager["results"], compiled["results"]
+        pairs = {m: c[m]["train_images_per_s"] / e[m]["train_images_per_s"]
+                 for m in e if m in c}
+        missing = [m for m in e if m not in c]
+        if not pairs:
+            rows.append(_row(check, "-", target, _status(steps, f"train-compiled-{prec}")))
+            continue
+        measured = ", ".join(f"{m} {x:.2f}×" for m, x in pairs.items())
+        if missing:
+            measured += f"; not compiled in time: {', '.join(missing)}"
+        ok = all(x >= 1.0 for x in pairs.values()) and not missing
+        rows.append(_row(check, measured, target, "met" if ok else "missed"))
+    return rows
+
+
+def determinism_check(folder: Path, steps: Dict[str, dict]) -> dict:
+    payload = _load(folder, "determinism.json")
+    check = "deterministic mode: two runs bit-identical"
+    target = "identical weights and logs, every model"
+    if payload is None:
+        return _row(check, "-", target, _status(steps, "determinism"))
+    res = payload["results"]
+    parts = []
+    for m, r in res.items():
+        if r.get("error"):
+            parts.append(f"{m}: raised {r['error'][:120]}")
+        elif r["identical"]:
+            parts.append(f"{m}: identical")
+        else:
+            parts.append(f"{m}: {r['differing_tensors']}/{r['tensors']} tensors differ "
+                         f"(max {r['max_abs_diff']:.1e})")
+    ok = all(r.get("identical") for r in res.values())
+    return _row(check, "; ".join(parts), target, "met" if ok else "missed")
+
+
+def status_check(steps: Dict[str, dict], step: str, check: str, target: str,
+                 folder: Path, result: Optional[str] = None) -> dict:
+    s = steps.get(step)
+    if s is None:
+        return _row(check, "-", target, _status(steps, step))
+    measured = f"exit {s['rc']} in {s['seconds']:.0f} s"
+    if result:
+        payload = _load(folder, result)
+        if payload:
+            measured += f"; {json.dumps({k: payload[k] for k in ('backend', 'world_size', 'losses') if k in payload})}"
+    verdict = "met" if s["rc"] == 0 else ("unmeasured (time limit)" if s["rc"] in (124, 137)
+                                         else "missed")
+    return _row(check, measured, target, verdict)
+
+
+def throughput_table(folder: Path) -> List[str]:
+    """images/s per model: eager and compiled, fp32 and bf16."""
+    cols = [(f"{mode} {prec}", f"train-{mode}-{prec}.json") for prec in PRECISIONS
+            for mode in ("eager", "compiled")]
+    data = {label: (_load(folder, name) or {}).get("results", {}) for label, name in cols}
+    models = list(dict.fromkeys(m for d in data.values() for m in d))
+    if not models:
+        return []
+    out = ["| model (train img/s) | " + " | ".join(label for label, _ in cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+    for m in models:
+        out.append(f"| {m} | " + " | ".join(
+            f"{data[label][m]['train_images_per_s']:.0f}" if m in data[label] else "-"
+            for label, _ in cols) + " |")
+    return out
+
+
+def report(folder: Path) -> dict:
+    steps = read_steps(folder)
+    gpu = ""
+    gpu_txt = folder / "gpu.txt"
+    if gpu_txt.exists():
+        lines = gpu_txt.read_text().splitlines()
+        gpu = lines[1].split(",")[0].strip() if len(lines) > 1 else ""
+    rows = [status_check(steps, "cuda-tests", "CUDA tests (pytest -m cuda)", "all pass", folder)]
+    if "triton-tests" in steps:
+        rows.append(status_check(steps, "triton-tests", "Triton kernel tests on the GPU",
+                                 "all pass", folder))
+    rows += conv_checks(folder, steps)
+    rows.append(epoch_check(folder, steps, gpu))
+    rows += train_checks(folder, steps)
+    rows.append(determinism_check(folder, steps))
+    rows.append(status_check(steps, "ddp-smoke", "DDP smoke test (NCCL, 2 steps)", "runs",
+                             folder, "ddp.json"))
+    lines = [f"GPU: {gpu or 'unknown'}; folder {folder}", "",
+             "| check | measured | target | verdict |", "|---|---|---|---|"]
+    lines += [f"| {r['check']} | {r['measured']} | {r['target']} | {r['verdict']} |"
+              for r in rows]
+    table = throughput_table(folder)
+    if table:
+        lines += ["", *table]
+    if steps:
+        lines += ["", "| step | exit | seconds | limit |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['rc']} | {v['seconds']:.0f} | {v['budget']:.0f} |"
+                  for k, v in steps.items()]
+    text = "\n".join(lines)
+    summary = {"gpu": gpu, "checks": rows, "steps": steps}
+    (folder / "summary.md").write_text(text + "\n")
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(text)
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", help="the output folder of benchmarks/run_gpu.sh")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    report(Path(args.folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
