@@ -18,7 +18,13 @@ from torch_geometric.utils import is_torch_sparse_tensor
 class _UnitQuaternion(torch.autograd.Function):
     """``q / |q|`` with norms ``<= eps`` mapped to the identity, as one autograd
     node (the ops autograd would record for it cost more at a few thousand
-    nodes; see benchmarks/README.md)."""
+    nodes; see benchmarks/README.md).
+
+    The backward is itself differentiable (second derivatives are exact): it
+    uses the saved output ``unit`` (which autograd tracks back to ``q``) and,
+    when a graph of the backward is being built (``create_graph=True``), a
+    norm recomputed from ``q`` rather than the constant saved one. A plain
+    first-order backward uses the saved norm, as before."""
 
     @staticmethod
     def forward(ctx, q: Tensor, eps: float) -> Tensor:
@@ -29,13 +35,17 @@ class _UnitQuaternion(torch.autograd.Function):
         identity = q.new_zeros(4)
         identity[0] = 1.0
         unit = torch.where(ok, q / norm.clamp_min(eps), identity)
-        ctx.save_for_backward(unit, norm, ok)
+        ctx.save_for_backward(q, unit, norm, ok)
         ctx.eps = eps
         return unit
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        unit, norm, ok = ctx.saved_tensors
+        q, unit, norm, ok = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # Double backward: |q| must be a function of q, not a constant
+            # (treating it as one made second derivatives wrong).
+            norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
         # d(q/|q|) = (g - u <u, g>) / |q|; the identity branch is constant.
         g = (grad - unit * (unit * grad).sum(dim=-1, keepdim=True)) / norm.clamp_min(ctx.eps)
         return g.masked_fill(~ok, 0.0), None

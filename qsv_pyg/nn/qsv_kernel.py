@@ -14,15 +14,21 @@ with :math:`Q = \mathrm{diag}(1, R(q))` acting on every block of four channels
 ``rotate=False``) and routing keys :math:`k` (the unit quaternions for learned
 routing; ``D = 0`` gives uniform weights; optionally :math:`|\langle\cdot\rangle|`).
 The backward is written out by hand; nothing of size ``[E, H, C]`` is stored
-on CPU.
+on CPU. Under ``create_graph=True`` it runs as differentiable PyTorch ops
+instead (the forward recomputed by :func:`_forward_torch`, then
+:func:`_backward_torch`), so second derivatives are exact on every device.
 
 ``qsv_pyg::attend`` and ``qsv_pyg::attend_backward`` are registered with
 :func:`torch.library.custom_op` (with fake kernels, autograd and CPU/CUDA
-autocast to float32), so :func:`torch.compile` keeps them in one graph. On CPU
-they run the C++ kernel of :mod:`qsv_pyg.nn._cpu_ext` when it can be built;
-elsewhere (and with ``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below
-(gathers and ``index_add``). Both are checked against autograd of the literal
-per-edge formula (``tests/test_qsv_kernel.py``, ``opcheck`` included).
+autocast to float32), so :func:`torch.compile` keeps them in one graph. On CUDA
+they run the fused Triton kernels of :mod:`qsv_pyg.nn.triton_kernel` when Triton
+imports (``QSV_PYG_TRITON=0`` turns them off); on CPU the C++ kernel of
+:mod:`qsv_pyg.nn._cpu_ext` when it can be built; elsewhere (and with
+``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below (gathers and
+``index_add``), which stays the reference. All are checked against autograd of the
+literal per-edge formula (``tests/test_qsv_kernel.py``,
+``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` computes
+in float32 whatever the features' dtype (quaternions are never rounded to bf16).
 """
 from __future__ import annotations
 
@@ -44,6 +50,13 @@ def _ext(v: Tensor):
     if v.device.type != "cpu" or v.dtype not in (torch.float32, torch.float64):
         return None
     return cpu_kernel()
+
+
+def _triton(v: Tensor):
+    """The Triton kernels when they apply (CUDA; CPU too under
+    ``QSV_PYG_TRITON=interpret``), else None (:mod:`.triton_kernel`)."""
+    from . import triton_kernel
+    return triton_kernel if triton_kernel.available(v) else None
 
 
 def _rotate(t: Tensor, q: Tensor, transpose: bool) -> Tensor:
@@ -110,6 +123,9 @@ def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tens
            row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
     """Forward: ``(z, alpha, u, y, dot)``; ``u``, ``y`` (empty unless
     ``rotate``) and ``dot`` are kept for the backward."""
+    tk = _triton(v)
+    if tk is not None:
+        return tk.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs, rotate)
     ext = _ext(v)
     if ext is not None:
         z, alpha, u, y, dot = ext.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs,
@@ -136,6 +152,11 @@ def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
                     need_k: bool) -> Tensors6:
     """Gradients ``(v, qs, qd, ks, kd, beta)``; empty where not needed."""
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
+    tk = _triton(v)
+    if tk is not None:
+        return tk.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
+                           perm_t, row_t, alpha, u, y, use_abs, rotate, need_v, need_q,
+                           need_k)
     ext = _ext(v)
     if ext is not None:
         out = ext.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
@@ -177,10 +198,23 @@ def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
     nv, nqs, nqd, nks, nkd, nbeta = ctx.needs_input_grad[:6]
     if gz is None:
         gz = v.new_zeros(rowptr.numel() - 1, *v.shape[1:])
-    gv, gqs, gqd, gks, gkd, gbeta = attend_backward(
-        gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd, ks,
-        kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y, use_abs,
-        rotate, nv, nqs or nqd, nks or nkd)
+    if torch.is_grad_enabled():
+        # create_graph=True (a gradient penalty, a Hessian-vector product):
+        # the gradients must themselves be differentiable. The saved u, y and
+        # dot are constants to autograd (non-differentiable outputs), so the
+        # forward is recomputed with PyTorch ops and the backward formula,
+        # written with PyTorch ops too, is applied to it: exact second
+        # derivatives (autograd of both), at the PyTorch path's speed.
+        _, alpha, u, y, dot = _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row,
+                                             use_abs, rotate)
+        gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
+            gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y, use_abs,
+            rotate, nv, (nqs or nqd) and rotate, (nks or nkd) and ks.size(-1) > 0)
+    else:
+        gv, gqs, gqd, gks, gkd, gbeta = attend_backward(
+            gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd,
+            ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y,
+            use_abs, rotate, nv, nqs or nqd, nks or nkd)
     return (gv if nv else None, gqs if nqs and gqs.numel() else None,
             gqd if nqd and gqd.numel() else None, gks if nks and gks.numel() else None,
             gkd if nkd and gkd.numel() else None, gbeta if nbeta else None,
@@ -226,11 +260,17 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
                          f"must be [{ns}, {heads}, D] and [{nd}, {heads}, D]")
     if beta.shape != (heads, ):
         raise ValueError(f"qsv_attend: beta {tuple(beta.shape)} must be [{heads}]")
-    empty = v.new_empty(0, heads, 4)
-    dt = v.dtype
+    # The operator computes in float32 (float64 for float64 features): half-precision
+    # features are widened, and the quaternions, keys and β are never rounded to the
+    # features' dtype (a bf16 quaternion is off the unit sphere by up to ~6e-3).
+    # Under autocast the operator is a float32 op (its autocast registration), so its
+    # outputs stay float32 there, as for any such op.
+    dt = torch.promote_types(v.dtype, torch.float32)
+    out_dt = dt if torch.is_autocast_enabled(v.device.type) else v.dtype
+    empty = v.new_empty(0, heads, 4, dtype=dt)
     z, alpha, _, _, _ = attend(
-        v.contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
+        v.to(dt).contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
         empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
         k_dst.to(dt).contiguous(), beta.to(dt), graph.rowptr, graph.col, graph.row,
         graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
-    return z, alpha
+    return z.to(out_dt), alpha.to(out_dt)

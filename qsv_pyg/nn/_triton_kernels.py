@@ -1,0 +1,365 @@
+r"""Triton kernels of ``qsv_pyg::attend`` (launched by :mod:`qsv_pyg.nn.triton_kernel`).
+
+Kept apart from the launch code because :func:`triton.jit` decides at decoration
+time whether a kernel is compiled or interpreted (``TRITON_INTERPRET``): the
+launcher loads this file once per mode (a second, interpreted copy for CPU
+tensors in the tests).
+
+Layout (all contiguous; the features of one node and head are ``M`` blocks of
+four channels):
+
+* every program owns one node (grid axis 0: a target for the forward and
+  backward pass A, a source for backward pass B) and a tile of ``BH`` heads
+  (grid axis 1); it walks that node's CSR row ``BE`` edges at a time;
+* a feature tile is held as its four quaternion components, ``[BE, BH, BM]``
+  each (component ``c`` of block ``m`` sits at offset ``4 m + c``), so the
+  rotations :math:`Q = \mathrm{diag}(1, R(q))` are sixteen multiply-adds on
+  whole tiles, with ``R(q)`` formed from ``q`` on the fly;
+* everything accumulates in ``ACC`` (float32, float64 for float64 inputs)
+  whatever the storage type; results are cast on store.
+"""
+import triton
+import triton.language as tl
+
+
+# tl.reduce with the library's combine functions rather than tl.sum / tl.max
+# (jit functions themselves, fixed to one mode when triton.language was
+# imported): these run compiled and interpreted alike, whichever was imported.
+_ADD = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
+
+
+@triton.jit
+def _rotate(w, x, y, z, a0, a1, a2, a3, TRANSPOSE: tl.constexpr):
+    """``Q(q) a`` (``Q^T a`` when ``TRANSPOSE``) for the components ``a0..a3``;
+    ``w..z`` broadcast against them (as quaternion_to_block_matrix: Q00 = |q|^2)."""
+    ww, xx, yy, zz = w * w, x * x, y * y, z * z
+    r11 = ww + xx - yy - zz
+    r12 = 2 * (x * y - w * z)
+    r13 = 2 * (x * z + w * y)
+    r21 = 2 * (x * y + w * z)
+    r22 = ww - xx + yy - zz
+    r23 = 2 * (y * z - w * x)
+    r31 = 2 * (x * z - w * y)
+    r32 = 2 * (y * z + w * x)
+    r33 = ww - xx - yy + zz
+    o0 = (ww + xx + yy + zz) * a0
+    if TRANSPOSE:
+        o1 = r11 * a1 + r21 * a2 + r31 * a3
+        o2 = r12 * a1 + r22 * a2 + r32 * a3
+        o3 = r13 * a1 + r23 * a2 + r33 * a3
+    else:
+        o1 = r11 * a1 + r12 * a2 + r13 * a3
+        o2 = r21 * a1 + r22 * a2 + r23 * a3
+        o3 = r31 * a1 + r32 * a2 + r33 * a3
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _quat_grad(w, x, y, z, a0, a1, a2, a3, b0, b1, b2, b3):
+    """dL/dq ``[BH]`` x4 when dL/dQ(q) = sum_m a_m b_m^T (tiles ``[BH, BM]``):
+    the derivative of the block matrix, as block_matrix_to_quaternion_grad."""
+    g00 = tl.reduce(a0 * b0, 1, _ADD)
+    g11 = tl.reduce(a1 * b1, 1, _ADD)
+    g12 = tl.reduce(a1 * b2, 1, _ADD)
+    g13 = tl.reduce(a1 * b3, 1, _ADD)
+    g21 = tl.reduce(a2 * b1, 1, _ADD)
+    g22 = tl.reduce(a2 * b2, 1, _ADD)
+    g23 = tl.reduce(a2 * b3, 1, _ADD)
+    g31 = tl.reduce(a3 * b1, 1, _ADD)
+    g32 = tl.reduce(a3 * b2, 1, _ADD)
+    g33 = tl.reduce(a3 * b3, 1, _ADD)
+    dw = 2 * (w * (g00 + g11 + g22 + g33) - z * g12 + y * g13 + z * g21 - x * g23 - y * g31 +
+              x * g32)
+    dx = 2 * (x * (g00 + g11 - g22 - g33) + y * g12 + z * g13 + y * g21 - w * g23 + z * g31 +
+              w * g32)
+    dy = 2 * (y * (g00 - g11 + g22 - g33) + x * g12 + w * g13 + x * g21 + z * g23 - w * g31 +
+              z * g32)
+    dz = 2 * (z * (g00 - g11 - g22 + g33) - w * g12 + x * g13 + w * g21 + y * g23 + x * g31 +
+              y * g32)
+    return dw, dx, dy, dz
+
+
+@triton.jit
+def _load4(ptr, off, mask, ACC: tl.constexpr):
+    """The four components of the blocks at ``off`` (component stride 1)."""
+    a0 = tl.load(ptr + off, mask=mask, other=0).to(ACC)
+    a1 = tl.load(ptr + off + 1, mask=mask, other=0).to(ACC)
+    a2 = tl.load(ptr + off + 2, mask=mask, other=0).to(ACC)
+    a3 = tl.load(ptr + off + 3, mask=mask, other=0).to(ACC)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _store4(ptr, off, mask, a0, a1, a2, a3):
+    ty = ptr.dtype.element_ty
+    tl.store(ptr + off, a0.to(ty), mask=mask)
+    tl.store(ptr + off + 1, a1.to(ty), mask=mask)
+    tl.store(ptr + off + 2, a2.to(ty), mask=mask)
+    tl.store(ptr + off + 3, a3.to(ty), mask=mask)
+
+
+
+@triton.jit
+def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
+                BR: tl.constexpr, BM: tl.constexpr):
+    """``out[r] = Q(q[r]) v[r]`` (or ``Q^T``) for ``BR`` of the ``R = N H`` rows
+    (node, head): the rotated sources ``u``."""
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    offs_m = tl.arange(0, BM)
+    rm = offs_r < R
+    mask = rm[:, None] & (offs_m < M)[None, :]
+    off = offs_r[:, None] * (M * 4) + offs_m[None, :] * 4
+    a0, a1, a2, a3 = _load4(v, off, mask, ACC)
+    qw, qx, qy, qz = _load4(q, offs_r * 4, rm, ACC)
+    o0, o1, o2, o3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], a0, a1, a2,
+                             a3, TRANSPOSE)
+    _store4(out, off, mask, o0, o1, o2, o3)
+
+
+@triton.jit
+def forward_rows(src, qd, ks, kd, beta, rowptr, col, y_out, z_out, alpha_out, dot_out, H, M,
+                 D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
+                 ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                 BD: tl.constexpr):
+    """One target ``i`` and ``BH`` heads: logits, online softmax (running max
+    and sum) and the weighted sum of the (rotated) sources in one walk over
+    the row; ``z = Q_i^T y``; then a walk over the row's ``[deg, BH]``
+    logits only, to write the normalised weights."""
+    i = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    hm = offs_h < H
+    mm = offs_m < M
+    start = tl.load(rowptr + i).to(tl.int64)
+    end = tl.load(rowptr + i + 1).to(tl.int64)
+    b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
+    hd = hm[:, None] & (offs_d < D)[None, :]
+    kdi = tl.full([BH, BD], 0, ACC)
+    if HAS_KEYS:
+        kdi = tl.load(kd + i * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hd,
+                      other=0).to(ACC)
+    run_max = tl.full([BH], float("-inf"), ACC)
+    run_sum = tl.full([BH], 0, ACC)
+    acc0 = tl.full([BH, BM], 0, ACC)
+    acc1 = tl.full([BH, BM], 0, ACC)
+    acc2 = tl.full([BH, BM], 0, ACC)
+    acc3 = tl.full([BH, BM], 0, ACC)
+    for e0 in range(start, end, BE):
+        offs_e = e0 + tl.arange(0, BE)
+        em = offs_e < end
+        eh = em[:, None] & hm[None, :]
+        j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
+        d = tl.full([BE, BH], 0, ACC)
+        if HAS_KEYS:
+            kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +
+                         offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
+                         other=0).to(ACC)
+            d = tl.reduce(kj * kdi[None, :, :], 2, _ADD)
+        tl.store(dot_out + offs_e[:, None] * H + offs_h[None, :],
+                 d.to(dot_out.dtype.element_ty), mask=eh)
+        if USE_ABS:
+            logit = tl.abs(d) * b[None, :]
+        else:
+            logit = d * b[None, :]
+        logit = tl.where(em[:, None], logit, float("-inf"))
+        new_max = tl.maximum(run_max, tl.reduce(logit, 0, _MAX))
+        scale = tl.exp(run_max - new_max)
+        p = tl.exp(logit - new_max[None, :])
+        run_sum = run_sum * scale + tl.reduce(p, 0, _ADD)
+        run_max = new_max
+        off = j[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
+            offs_m[None, None, :] * 4
+        x0, x1, x2, x3 = _load4(src, off, eh[:, :, None] & mm[None, None, :], ACC)
+        w = p[:, :, None]
+        acc0 = acc0 * scale[:, None] + tl.reduce(w * x0, 0, _ADD)
+        acc1 = acc1 * scale[:, None] + tl.reduce(w * x1, 0, _ADD)
+        acc2 = acc2 * scale[:, None] + tl.reduce(w * x2, 0, _ADD)
+        acc3 = acc3 * scale[:, None] + tl.reduce(w * x3, 0, _ADD)
+    inv = tl.where(run_sum > 0, 1.0 / tl.where(run_sum > 0, run_sum, 1.0), 0.0)  # no edges: z = 0
+    y0 = acc0 * inv[:, None]
+    y1 = acc1 * inv[:, None]
+    y2 = acc2 * inv[:, None]
+    y3 = acc3 * inv[:, None]
+    off_i = i * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
+    mask_i = hm[:, None] & mm[None, :]
+    if ROTATE:
+        _store4(y_out, off_i, mask_i, y0, y1, y2, y3)
+        qw, qx, qy, qz = _load4(qd, i * H * 4 + offs_h * 4, hm, ACC)
+        y0, y1, y2, y3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], y0, y1,
+                                 y2, y3, True)
+    _store4(z_out, off_i, mask_i, y0, y1, y2, y3)
+    for e0 in range(start, end, BE):  # normalised weights ([deg, BH] work only)
+        offs_e = e0 + tl.arange(0, BE)
+        em = offs_e < end
+        eh = em[:, None] & hm[None, :]
+        if HAS_KEYS:  # the logits again, in ACC (dot_out may be half precision)
+            j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
+            kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +
+                         offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
+                         other=0).to(ACC)
+            d = tl.reduce(kj * kdi[None, :, :], 2, _ADD)
+            if USE_ABS:
+                logit = tl.abs(d) * b[None, :]
+            else:
+                logit = d * b[None, :]
+            a = tl.exp(logit - run_max[None, :]) * inv[None, :]
+        else:
+            a = tl.full([BE, BH], 0, ACC) + inv[None, :]
+        tl.store(alpha_out + offs_e[:, None] * H + offs_h[None, :],
+                 a.to(alpha_out.dtype.element_ty), mask=eh)
+
+
+@triton.jit
+def backward_rows(gz, galpha, src, qd, ks, kd, beta, rowptr, col, alpha, y, gd, gbeta_part,
+                  gqd, gkd, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                  HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, NEED_Q: tl.constexpr,
+                  NEED_K: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Pass A, one target ``i`` and ``BH`` heads: ``gy = Q_i gz``, the softmax
+    backward (``ga`` parked in ``gd``, then overwritten with the key-product
+    gradient), the per-target part of d beta, d kd_i and d qd_i."""
+    i = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    hm = offs_h < H
+    mm = offs_m < M
+    start = tl.load(rowptr + i).to(tl.int64)
+    end = tl.load(rowptr + i + 1).to(tl.int64)
+    off_i = i * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
+    mask_i = hm[:, None] & mm[None, :]
+    g0, g1, g2, g3 = _load4(gz, off_i, mask_i, ACC)
+    if ROTATE:
+        qw, qx, qy, qz = _load4(qd, i * H * 4 + offs_h * 4, hm, ACC)
+        g0, g1, g2, g3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], g0, g1,
+                                 g2, g3, False)
+    sa = tl.full([BH], 0, ACC)
+    for e0 in range(start, end, BE):  # ga = <gy_i, u_j> (+ galpha)
+        offs_e = e0 + tl.arange(0, BE)
+        em = offs_e < end
+        eh = em[:, None] & hm[None, :]
+        j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
+        off = j[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
+            offs_m[None, None, :] * 4
+        x0, x1, x2, x3 = _load4(src, off, eh[:, :, None] & mm[None, None, :], ACC)
+        ga = tl.reduce(g0[None, :, :] * x0 + g1[None, :, :] * x1 + g2[None, :, :] * x2 +
+                    g3[None, :, :] * x3, 2, _ADD)
+        off_eh = offs_e[:, None] * H + offs_h[None, :]
+        if HAS_GALPHA:
+            ga += tl.load(galpha + off_eh, mask=eh, other=0).to(ACC)
+        a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
+        sa += tl.reduce(a * ga, 0, _ADD)
+        tl.store(gd + off_eh, ga, mask=eh)
+    tl.debug_barrier()  # the second walk reads what the first stored
+    b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
+    hd = hm[:, None] & (offs_d < D)[None, :]
+    kdi = tl.full([BH, BD], 0, ACC)
+    if HAS_KEYS:
+        kdi = tl.load(kd + i * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hd,
+                      other=0).to(ACC)
+    gb = tl.full([BH], 0, ACC)
+    gk = tl.full([BH, BD], 0, ACC)
+    for e0 in range(start, end, BE):  # gs = alpha (ga - sum alpha ga) -> d beta, d <k, k>
+        offs_e = e0 + tl.arange(0, BE)
+        em = offs_e < end
+        eh = em[:, None] & hm[None, :]
+        off_eh = offs_e[:, None] * H + offs_h[None, :]
+        a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
+        gs = a * (tl.load(gd + off_eh, mask=eh, other=0) - sa[None, :])
+        if HAS_KEYS:  # the key product again, in ACC (the saved dot may be half)
+            j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
+            kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +
+                         offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
+                         other=0).to(ACC)
+            d = tl.reduce(kj * kdi[None, :, :], 2, _ADD)
+            if USE_ABS:
+                gb += tl.reduce(gs * tl.abs(d), 0, _ADD)
+                g = gs * b[None, :] * tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+            else:
+                gb += tl.reduce(gs * d, 0, _ADD)
+                g = gs * b[None, :]
+            tl.store(gd + off_eh, g, mask=eh)
+            if NEED_K:
+                gk += tl.reduce(g[:, :, None] * kj, 0, _ADD)
+    tl.store(gbeta_part + i * H + offs_h, gb, mask=hm)
+    if NEED_K:
+        tl.store(gkd + i * H * D + offs_h[:, None] * D + offs_d[None, :],
+                 gk.to(gkd.dtype.element_ty), mask=hd)
+    if NEED_Q:  # z = Q_i^T y  =>  dL/dQ_i = sum_m y_m gz_m^T
+        y0, y1, y2, y3 = _load4(y, off_i, mask_i, ACC)
+        c0, c1, c2, c3 = _load4(gz, off_i, mask_i, ACC)
+        dw, dx, dy, dz = _quat_grad(qw, qx, qy, qz, y0, y1, y2, y3, c0, c1, c2, c3)
+        _store4(gqd, i * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
+
+
+@triton.jit
+def backward_cols(gz, v, qs, qd, kd, alpha, gd, rowptr_t, perm_t, row_t, gv, gqs, gks, H, M,
+                  D, ROTATE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
+                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Pass B, one source ``j`` and ``BH`` heads over its outgoing edges (the
+    transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij Q_i gz_i`` (``gy``
+    recomputed, not stored), ``gv = Q_j^T gu``, d qs_j, d ks_j."""
+    j = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    hm = offs_h < H
+    mm = offs_m < M
+    hd = hm[:, None] & (offs_d < D)[None, :]
+    start = tl.load(rowptr_t + j).to(tl.int64)
+    end = tl.load(rowptr_t + j + 1).to(tl.int64)
+    u0 = tl.full([BH, BM], 0, ACC)
+    u1 = tl.full([BH, BM], 0, ACC)
+    u2 = tl.full([BH, BM], 0, ACC)
+    u3 = tl.full([BH, BM], 0, ACC)
+    gk = tl.full([BH, BD], 0, ACC)
+    for p0 in range(start, end, BE):
+        offs_p = p0 + tl.arange(0, BE)
+        pm = offs_p < end
+        eh = pm[:, None] & hm[None, :]
+        e = tl.load(perm_t + offs_p, mask=pm, other=0).to(tl.int64)
+        i = tl.load(row_t + offs_p, mask=pm, other=0).to(tl.int64)
+        off_eh = e[:, None] * H + offs_h[None, :]
+        if NEED_U:
+            a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
+            off = i[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
+                offs_m[None, None, :] * 4
+            g0, g1, g2, g3 = _load4(gz, off, eh[:, :, None] & mm[None, None, :], ACC)
+            if ROTATE:
+                qw, qx, qy, qz = _load4(qd, i[:, None] * (H * 4) + offs_h[None, :] * 4, eh,
+                                        ACC)
+                g0, g1, g2, g3 = _rotate(qw[:, :, None], qx[:, :, None], qy[:, :, None],
+                                         qz[:, :, None], g0, g1, g2, g3, False)
+            w = a[:, :, None]
+            u0 += tl.reduce(w * g0, 0, _ADD)
+            u1 += tl.reduce(w * g1, 0, _ADD)
+            u2 += tl.reduce(w * g2, 0, _ADD)
+            u3 += tl.reduce(w * g3, 0, _ADD)
+        if NEED_K:
+            g = tl.load(gd + off_eh, mask=eh, other=0)
+            ki = tl.load(kd + i[:, None, None] * (H * D) + offs_h[None, :, None] * D +
+                         offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
+                         other=0).to(ACC)
+            gk += tl.reduce(g[:, :, None].to(ACC) * ki, 0, _ADD)
+    off_j = j * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
+    mask_j = hm[:, None] & mm[None, :]
+    if NEED_U:
+        if ROTATE:
+            qw, qx, qy, qz = _load4(qs, j * H * 4 + offs_h * 4, hm, ACC)
+        if NEED_V:  # u = Q_j v  =>  gv = Q_j^T gu
+            if ROTATE:
+                o0, o1, o2, o3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None],
+                                         u0, u1, u2, u3, True)
+                _store4(gv, off_j, mask_j, o0, o1, o2, o3)
+            else:
+                _store4(gv, off_j, mask_j, u0, u1, u2, u3)
+        if NEED_Q:  # u = Q_j v  =>  dL/dQ_j = sum_m gu_m v_m^T
+            v0, v1, v2, v3 = _load4(v, off_j, mask_j, ACC)
+            dw, dx, dy, dz = _quat_grad(qw, qx, qy, qz, u0, u1, u2, u3, v0, v1, v2, v3)
+            _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
+    if NEED_K:
+        tl.store(gks + j * H * D + offs_h[:, None] * D + offs_d[None, :],
+                 gk.to(gks.dtype.element_ty), mask=hd)

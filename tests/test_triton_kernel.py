@@ -1,0 +1,343 @@
+"""The Triton kernels of ``qsv_pyg::attend`` (qsv_pyg.nn.triton_kernel).
+
+With CUDA they run compiled on the GPU. Without, the real registered operator
+is sent to them on CPU tensors (``QSV_PYG_TRITON=interpret``) and they run in
+Triton's interpreter: slow (about a second per call on these graphs), so the
+graphs are tiny. The interpreted kernels are a copy of the kernel module
+decorated with ``TRITON_INTERPRET=1`` set (qsv_pyg.nn.triton_kernel._kernels),
+so this works whenever triton was first imported (torch_geometric imports it,
+before any test module could set the variable). Every result is checked
+against autograd of the literal per-edge formula, in float64.
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from qsv_pyg.nn import qsv_kernel  # noqa: E402
+from qsv_pyg.nn import triton_kernel as tk  # noqa: E402
+from qsv_pyg.nn.csr import batch_csr, build_csr  # noqa: E402
+from qsv_pyg.nn.qsv_kernel import attend, qsv_attend  # noqa: E402
+from qsv_pyg.quaternion import (  # noqa: E402
+    conjugate,
+    hamilton_product,
+    random_unit_quaternion,
+    rotate,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOL32 = dict(rtol=1e-5, atol=1e-5)
+#: Half-precision storage (inputs, outputs, saved alpha / u) with float32
+#: accumulation, against float64 from the same rounded inputs.
+TOL_HALF = {torch.float16: dict(rtol=5e-3, atol=5e-3),
+            torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def triton_path(monkeypatch):
+    """The operator takes the Triton kernels (interpreted on CPU)."""
+    monkeypatch.setenv("QSV_PYG_TRITON", "1" if CUDA else "interpret")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def random_graph(n_src, n_dst, num_edges, seed, isolated=(0, )):
+    """Random edges (repeats allowed) in shuffled order; ``isolated`` targets get none."""
+    g = gen(seed)
+    src = torch.randint(0, n_src, (num_edges, ), generator=g)
+    dst = torch.randint(0, n_dst, (num_edges, ), generator=g)
+    for i in isolated:
+        dst[dst == i] = (i + 1) % n_dst
+    return torch.stack([src, dst])
+
+
+def make_inputs(n_src, n_dst, H, M, D, rotate_, seed):
+    """float64 CPU inputs: features, unit quaternions (or None), keys, beta."""
+    g = gen(seed)
+    v = torch.randn(n_src, H, M, 4, generator=g, dtype=torch.float64)
+    qs = random_unit_quaternion(n_src, H, generator=g, dtype=torch.float64) if rotate_ else None
+    qd = random_unit_quaternion(n_dst, H, generator=g, dtype=torch.float64) if rotate_ else None
+    ks = torch.randn(n_src, H, D, generator=g, dtype=torch.float64)
+    kd = torch.randn(n_dst, H, D, generator=g, dtype=torch.float64)
+    beta = 0.5 + torch.rand(H, generator=g, dtype=torch.float64)
+    return [v, qs, qd, ks, kd, beta]
+
+
+def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs):
+    """From the definition, per edge: logit beta <k_i, k_j>, softmax over each
+    target's edges, message r v_j r* with r = q_i* q_j, sum."""
+    src, dst = edge_index
+    d = (kd[dst] * ks[src]).sum(-1)
+    logit = beta * (d.abs() if use_abs else d)
+    alpha = torch.zeros_like(logit)
+    for i in range(n_dst):
+        m = dst == i
+        if m.any():
+            alpha[m] = torch.softmax(logit[m], dim=0)
+    msg = v[src]
+    if qs is not None:
+        r = hamilton_product(conjugate(qd[dst]), qs[src])
+        msg = rotate(r.unsqueeze(-2), msg)
+    z = v.new_zeros(n_dst, *v.shape[1:]).index_add(0, dst, alpha[..., None, None] * msg)
+    return z, alpha
+
+
+def on_device(graph, index_dtype=None):
+    """The GraphCSR's arrays on DEVICE (optionally as ``index_dtype``)."""
+    return graph._replace(**{f: getattr(graph, f).to(DEVICE, index_dtype)
+                             for f in graph._fields})
+
+
+def op_graph(g):
+    """The operator's graph arguments of a GraphCSR."""
+    return g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t
+
+
+def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, seed=0):
+    """``(got, want)``: z, alpha (edge order) and the gradients of every input
+    for a random cotangent, by the operator (``dtype`` on DEVICE) and by
+    autograd of :func:`literal` in float64 (from the same rounded inputs)."""
+    g = gen(seed)
+    ins = [None if t is None else t.to(dtype) for t in inputs]
+    ref_ins = [None if t is None else t.double().requires_grad_() for t in ins]
+    dev_ins = [None if t is None else t.to(DEVICE).requires_grad_() for t in ins]
+    z_ref, a_ref = literal(*ref_ins, edge_index, n_dst, use_abs)
+    gz = torch.randn(z_ref.shape, generator=g, dtype=torch.float64)
+    ga = torch.randn(a_ref.shape, generator=g, dtype=torch.float64)
+    params = [t for t in ref_ins if t is not None]
+    want = [z_ref, a_ref] + list(torch.autograd.grad(
+        (z_ref * gz).sum() + (a_ref * ga).sum(), params, materialize_grads=True))
+    graph = on_device(graph)
+    calls = dict(tk.CALLS)
+    z, alpha = qsv_attend(*dev_ins, graph, use_abs)
+    alpha_edges = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+    loss = (z.double() * gz.to(DEVICE)).sum() + (alpha_edges.double() * ga.to(DEVICE)).sum()
+    dev_params = [t for t in dev_ins if t is not None]
+    got = [z, alpha_edges] + list(torch.autograd.grad(loss, dev_params,
+                                                      materialize_grads=True))
+    # the Triton kernels ran (not the C++ or PyTorch fallback)
+    assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
+    assert all(t.dtype == dtype for t in got)
+    return [t.detach().cpu().double() for t in got], [t.detach() for t in want]
+
+
+def assert_all_close(got, want, **tol):
+    names = ["z", "alpha", "grad v", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"]
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------ the variants
+VARIANTS = {  # name: (key dim D, use_abs, rotate)
+    "learned": (4, False, True),
+    "abs": (4, True, True),
+    "uniform": (0, False, True),
+    "positions": (3, False, True),
+    "learned-no-transport": (4, False, False),
+    "abs-no-transport": (4, True, False),
+    "uniform-no-transport": (0, False, False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_match_the_literal_formula(variant):
+    """Every routing (learned, abs, uniform = D 0, other key sizes) and
+    transport (rotate or not), forward and all gradients, float32 to 1e-5;
+    target 0 is isolated (z = 0, no NaN)."""
+    D, use_abs, rot = VARIANTS[variant]
+    n_src, n_dst, H, M = 8, 6, 3, 2
+    ei = random_graph(n_src, n_dst, 20, seed=1)
+    inputs = make_inputs(n_src, n_dst, H, M, D, rot, seed=2)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs)
+    assert_all_close(got, want, **TOL32)
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+
+
+def _batched(n_src, n_dst, B, seed):
+    from qsv_pyg.nn.graph_args import batch_edge_index
+    ei = random_graph(n_src, n_dst, 12, seed=seed)
+    graph = batch_csr(build_csr(ei, n_src, n_dst), B, n_src, n_dst)
+    return batch_edge_index(ei, B, n_src, n_dst), graph
+
+
+@pytest.mark.parametrize("kind", ["bipartite", "batched", "empty", "wide-rows"])
+def test_graphs_match_the_literal_formula(kind):
+    """A bipartite graph with several isolated targets, ``B`` disjoint copies
+    (``csr.batch_csr``: how per-item batches reach the operator), a graph
+    without edges, and rows of many blocks with high degree (a batch riding
+    along as channels; several edge steps per row)."""
+    H, M = 2, 2
+    if kind == "bipartite":
+        n_src, n_dst = 9, 5
+        ei = random_graph(n_src, n_dst, 16, seed=3, isolated=(0, 3))
+        graph = build_csr(ei, n_src, n_dst)
+    elif kind == "batched":
+        n, B = 4, 2
+        ei, graph = _batched(n, n, B, seed=4)
+        n_src = n_dst = n * B
+    elif kind == "empty":
+        n_src, n_dst = 4, 3
+        ei = torch.zeros(2, 0, dtype=torch.long)
+        graph = build_csr(ei, n_src, n_dst)
+    else:  # 40 edges into 2 targets, 64 blocks per row: several [BE, BH, BM] steps
+        n_src, n_dst, H, M = 6, 2, 1, 64
+        ei = random_graph(n_src, n_dst, 40, seed=5, isolated=())
+        graph = build_csr(ei, n_src, n_dst)
+    inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=6)
+    got, want = run_both(inputs, ei, graph, n_dst, use_abs=False)
+    assert_all_close(got, want, **TOL32)
+
+
+def test_int32_indices_and_determinism():
+    """int32 CSR arrays give the very same results as int64, and two runs
+    agree bit for bit (no atomics)."""
+    n_src, n_dst, H, M = 7, 5, 2, 1
+    ei = random_graph(n_src, n_dst, 15, seed=7)
+    g64 = build_csr(ei, n_src, n_dst)
+    v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
+                               for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=8))
+
+    def run(index_dtype):
+        z, alpha, *_ = attend(v, qs, qd, ks, kd, beta, *op_graph(on_device(g64, index_dtype)),
+                              True, True)
+        grads = torch.autograd.grad(z.pow(2).sum() + alpha.sin().sum(),
+                                    (v, qs, qd, ks, kd, beta))
+        return [z, alpha, *grads]
+
+    calls = tk.CALLS["backward"]
+    a, b = run(torch.int64), run(torch.int32)
+    assert tk.CALLS["backward"] == calls + 2
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_accumulates_in_float32(dtype):
+    """float16 / bfloat16 inputs: outputs and gradients in that dtype, within
+    a few of its rounding steps of the float64 result."""
+    n_src, n_dst, H, M = 8, 6, 2, 2
+    ei = random_graph(n_src, n_dst, 20, seed=9)
+    inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=10)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs=True,
+                         dtype=dtype)
+    assert_all_close(got, want, **TOL_HALF[dtype])
+
+
+# ---------------------------------------------------------- the operator
+def test_opcheck_on_the_triton_path():
+    n_src, n_dst, H, M = 4, 3, 2, 1
+    ei = random_graph(n_src, n_dst, 8, seed=11)
+    g = on_device(build_csr(ei, n_src, n_dst))
+    v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
+                               for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=12))
+    calls = tk.CALLS["forward"]
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, *op_graph(g), False, True))
+    assert tk.CALLS["forward"] > calls
+
+
+def test_compiled_layer_calls_the_operator_and_matches_eager():
+    """QSVConv under torch.compile (aot_eager): one graph that calls the
+    operator (CSR built inside it), forward and gradients as in eager."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from qsv_pyg.nn import QSVConv
+    torch._dynamo.reset()
+    torch.manual_seed(13)
+    n, H = 7, 2
+    conv = QSVConv(8, 3, heads=H, check_finite=False).to(DEVICE)
+    ei = random_graph(n, n, 18, seed=14).to(DEVICE)
+    x = torch.randn(n, 8, device=DEVICE)
+    quat = random_unit_quaternion(n, H, generator=gen(15)).to(DEVICE)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def step(module):
+        out = module(x, ei, quat=quat)
+        grads = torch.autograd.grad(out.pow(2).sum(), list(conv.parameters()),
+                                    materialize_grads=True)
+        return [out, *grads]
+
+    eager = step(conv)
+    calls = dict(tk.CALLS)
+    compiled = step(torch.compile(conv, fullgraph=True, backend=backend))
+    assert torch.ops.qsv_pyg.attend.default in targets
+    assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, **TOL32)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_kernels_compile_for_a_gpu():
+    """The interpreter runs the kernels as Python; this compiles them to a
+    Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage, int32
+    indices, every feature on (the other flag combinations compile too)."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = tk._kernels(False)
+    if type(k.forward_rows).__name__ == "InterpretedFunction":
+        pytest.skip("TRITON_INTERPRET=1 was set when the kernels were imported")
+    f, i, a = "*bf16", "*i32", "*fp32"
+    dims = dict(H="i32", M="i32", D="i32")
+    blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4)
+    specs = [
+        (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
+         dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
+        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, rowptr=i, col=i, y_out=f,
+                              z_out=f, alpha_out=f, dot_out=f, **dims),
+         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, **blocks)),
+        (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, rowptr=i,
+                               col=i, alpha=f, y=f, gd=a, gbeta_part=a, gqd=f, gkd=f, **dims),
+         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, NEED_Q=True,
+              NEED_K=True, **blocks)),
+        (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, gd=a, rowptr_t=i,
+                               perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
+         dict(ROTATE=True, NEED_U=True, NEED_V=True, NEED_Q=True, NEED_K=True, **blocks)),
+    ]
+    for fn, sig, consts in specs:
+        sig = {**sig, **{name: "constexpr" for name in consts}}
+        try:
+            binary = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                    target=GPUTarget("cuda", 90, 32))
+        except Exception as exc:  # pragma: no cover - no ptxas in this triton build
+            if "ptxas" in str(exc).lower():
+                pytest.skip(f"no ptxas: {exc!s:.200}")
+            raise
+        assert binary.asm["cubin"], fn.__name__
+
+
+# ------------------------------------------------------- choice and errors
+def test_available_and_the_dispatch(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setenv("QSV_PYG_TRITON", "interpret")
+    assert tk.available(cpu) and qsv_kernel._triton(cpu) is tk
+    assert not tk.available(cpu.long())
+    monkeypatch.setenv("QSV_PYG_TRITON", "0")
+    assert not tk.available(cpu) and qsv_kernel._triton(cpu) is None
+    monkeypatch.setenv("QSV_PYG_TRITON", "1")  # the default: CUDA tensors only
+    assert not tk.available(cpu)
+    if CUDA:
+        assert tk.available(cpu.cuda())
+
+
+@pytest.mark.skipif(CUDA, reason="a device-side assert ends the CUDA context")
+def test_malformed_graph_is_refused():
+    """The kernels index unchecked; the launcher refuses a bad CSR (a graph
+    built under torch.compile skips the Python range check)."""
+    n = 5
+    g = on_device(build_csr(random_graph(n, n, 10, seed=16), n, n))
+    v, qs, qd, ks, kd, beta = (t.float().to(DEVICE)
+                               for t in make_inputs(n, n, 1, 1, 4, True, seed=17))
+    bad_col = g.col.clone()
+    bad_col[2] = n
+    with pytest.raises(RuntimeError, match="malformed CSR"):
+        tk.forward(v, qs, qd, ks, kd, beta, g.rowptr, bad_col, False, True)
+
