@@ -20,6 +20,7 @@ __all__ = [
     "hamilton_product",
     "conjugate",
     "normalize",
+    "unit_quaternion",
     "quaternion_to_matrix",
     "quaternion_to_block_matrix",
     "rotate",
@@ -75,8 +76,9 @@ def normalize(q: Tensor, eps: float = 1e-12) -> Tensor:
     r"""Scale to unit norm, :math:`q / \max(\lVert q \rVert, \epsilon)`.
 
     A quaternion of norm below ``eps`` is returned (nearly) unchanged rather than
-    blown up to NaN; use :func:`qsv_pyg.nn.qsv_conv.unit_quaternion` for the
-    convention that maps it to the identity rotation instead.
+    blown up to NaN; use :func:`unit_quaternion` (below; what
+    :class:`~qsv_pyg.nn.QSVConv` normalises with) for the convention that maps it
+    to the identity rotation instead.
 
     Args:
         q: quaternions of shape ``(..., 4)``.
@@ -85,6 +87,61 @@ def normalize(q: Tensor, eps: float = 1e-12) -> Tensor:
     _check_last_dim(q, "q")
     return q / q.norm(dim=-1, keepdim=True).clamp_min(eps)
 
+
+
+class _UnitQuaternion(torch.autograd.Function):
+    """``q / |q|`` with norms ``<= eps`` mapped to the identity, as one autograd
+    node (the ops autograd would record for it cost more at a few thousand
+    nodes; see benchmarks/README.md).
+
+    The backward is itself differentiable (second derivatives are exact): it
+    uses the saved output ``unit`` (which autograd tracks back to ``q``) and,
+    when a graph of the backward is being built (``create_graph=True``), a
+    norm recomputed from ``q`` rather than the constant saved one. A plain
+    first-order backward uses the saved norm."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, eps: float) -> Tensor:
+        norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        # `~(norm <= eps)` rather than `norm > eps`: a NaN norm must take the
+        # division branch so that the NaN propagates instead of being masked.
+        ok = ~(norm <= eps)
+        identity = q.new_zeros(4)
+        identity[0] = 1.0
+        unit = torch.where(ok, q / norm.clamp_min(eps), identity)
+        ctx.save_for_backward(q, unit, norm, ok)
+        ctx.eps = eps
+        return unit
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, unit, norm, ok = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # Double backward: |q| must be a function of q, not a constant
+            # (treating it as one made second derivatives wrong).
+            norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        # d(q/|q|) = (g - u <u, g>) / |q|; the identity branch is constant.
+        g = (grad - unit * (unit * grad).sum(dim=-1, keepdim=True)) / norm.clamp_min(ctx.eps)
+        return g.masked_fill(~ok, 0.0), None
+
+
+def unit_quaternion(q: Tensor, eps: float = 1e-8) -> Tensor:
+    r"""Normalise ``q`` (``[..., 4]``); norms below ``eps`` become the identity.
+
+    The one normalisation of :class:`~qsv_pyg.nn.QSVConv`'s node quaternions
+    (given, from features or composed). A zero quaternion has no direction, and
+    dividing by its norm would give NaN. Mapping it to the identity rotation
+    ``(1, 0, 0, 0)`` keeps the layer finite and gives such a node "no rotation"
+    (its transport is the identity and its learned logit against a neighbour is
+    that neighbour's real part). The gradient there is zero. A quaternion with
+    a NaN or infinite component is not small: it stays NaN (it is never masked
+    as the identity), so a bad input shows in the output. First and second
+    derivatives are exact (one autograd node).
+    """
+    if q.size(-1) != 4:
+        raise ValueError(f"quaternions must have a last dimension of size 4, got "
+                         f"shape {tuple(q.shape)}")
+    return _UnitQuaternion.apply(q, eps)
 
 def identity_quaternion(*shape: int, dtype: Optional[torch.dtype] = None,
                         device: Optional[torch.device] = None) -> Tensor:

@@ -1,6 +1,8 @@
-"""The one dispatch point of QSVConv (qsv_pyg.nn.dispatch.choose_path), tested directly."""
+"""The one dispatch point of QSVConv (QSVConv.choose_path, also importable as
+qsv_pyg.nn.dispatch.choose_path), tested directly."""
 import pytest
 import torch
+from torch_geometric.nn.conv import MessagePassing
 
 from qsv_pyg.nn import PATHS, QSVConv, choose_path
 
@@ -57,3 +59,39 @@ def test_message_hooks_use_message_passing():
     assert call(conv, torch.randn(3, 8)) == "message_passing"
     handle.remove()
     assert call(conv, torch.randn(3, 8)) == "attend_shared"
+
+
+# PyG's own hook kinds (not torch.nn.Module's), found by their public register methods.
+PYG_HOOKS = sorted(n for n in dir(MessagePassing)
+                   if n.startswith("register_") and n.endswith("hook")
+                   and not hasattr(torch.nn.Module, n))
+
+
+def test_all_ten_pyg_hook_kinds_are_known():
+    assert len(PYG_HOOKS) == 10, PYG_HOOKS
+
+
+@pytest.mark.parametrize("register", PYG_HOOKS)
+def test_every_pyg_hook_uses_message_passing(register):
+    """Only message passing runs PyG's hooks: any hook there keeps the call on it."""
+    conv = QSVConv(8, 4, heads=2)
+    handle = getattr(conv, register)(lambda *a: None)
+    path, reason = conv.path_reason(torch.randn(3, 8), None, torch.tensor([[0, 1], [1, 2]]))
+    assert path == "message_passing" and "hook" in reason
+    handle.remove()
+    assert call(conv, torch.randn(3, 8)) == "attend_shared"
+
+
+def test_the_reasons_are_named():
+    x, ei = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2]])
+    assert QSVConv(8, 4, dense_path="never").path_reason(x, None, ei) == \
+        ("message_passing", "dense_path='never'")
+    assert "dropout" in QSVConv(8, 4, dropout=0.5).train().path_reason(x, None, ei)[1]
+    conv = QSVConv(8, 4)
+    conv.explain = True
+    assert "explain" in conv.path_reason(x, None, ei)[1]
+    assert conv.path_reason(torch.randn(2, 3, 8), torch.randn(2, 3, 1, 4), ei)[0] == \
+        "message_passing"
+    conv.explain = False
+    assert conv.path_reason(torch.randn(2, 3, 8), torch.randn(2, 3, 1, 4), ei)[0] == \
+        "attend_per_item"

@@ -22,7 +22,7 @@ from qsv_pyg.models import (
     scale_widths,
 )
 from qsv_pyg.models import zoo
-import qsv_pyg.nn.qsv_conv as qsv_conv_module
+from qsv_pyg.nn import QSVConv
 from qsv_pyg.geometry import dense_neighbors
 
 # Exact counts of the default (10-class) models, for the record and to catch drift.
@@ -298,8 +298,12 @@ def test_flattened_edge_index_is_cached_per_batch_size():
     assert flat3.shape == (2, 12) and adapter.flat_edge_index(edges, 2, 3, 2) is flat2
     # A different graph tensor with the same values is a different cache entry.
     assert adapter.flat_edge_index(edges.clone(), 2, 3, 2) is not flat2
+    # Values written behind the version counter are noticed (the graph cache
+    # compares a CPU hit with its copy), and casting the module keeps it right.
+    edges.data[0, 0] = 1
     adapter.to(torch.float64)
-    assert len(adapter._flat_cache) == 0
+    assert torch.equal(adapter.flat_edge_index(edges, 2, 3, 2),
+                       torch.tensor([[1, 1, 2, 2, 4, 4, 5, 5], [0, 0, 1, 1, 2, 2, 3, 3]]))
 
 
 def test_graphs_are_buffers(images):
@@ -327,7 +331,7 @@ def test_fast_path_is_used_and_matches_message_passing(images, monkeypatch):
         assert dense_neighbors(edges, model.sizes[s]) is not None, key
 
     calls = []
-    original = qsv_conv_module.choose_path
+    original = QSVConv.choose_path
 
     def spy(conv, *args, **kwargs):
         path = original(conv, *args, **kwargs)
@@ -335,7 +339,7 @@ def test_fast_path_is_used_and_matches_message_passing(images, monkeypatch):
             calls.append(conv)
         return path
 
-    monkeypatch.setattr(qsv_conv_module, "choose_path", spy)
+    monkeypatch.setattr(QSVConv, "choose_path", spy)
     out = model(images)
     assert len(calls) == len(model.qsv_convs()) == 6
 

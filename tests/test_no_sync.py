@@ -261,7 +261,7 @@ def test_csr_cache_hits_on_a_device_are_not_verified():
 
 
 def test_batched_edge_index_builds_nothing_from_host_data():
-    from qsv_pyg.nn.graph_args import batch_edge_index
+    from qsv_pyg.nn.csr import batch_edge_index
 
     ei = torch.tensor([[0, 1, 2], [1, 2, 0]])
     with SyncChecker() as checker:

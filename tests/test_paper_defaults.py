@@ -34,7 +34,7 @@ def test_presets_follow_the_paper():
     assert preset_config("paper-qsv-frozen-beta").beta_init == 5.0  # the paper's probe
     assert preset_config("paper-qsv-frozen-beta").frozen_beta is True
     assert preset_config("paper-qsv-beta-warm5").beta_init == 5.0
-    assert preset_config("paper-qsv-no-beta-prior").beta_prior == 0.0
+    assert preset_config("paper-qsv-no-beta-prior").beta_prior_weight == 0.0
     for model in ("qsv", "lattice"):
         assert preset_config(f"paper-{model}-cifar100").repulsion_k == 16
         assert preset_config(f"paper-{model}").repulsion_k is None  # model default: 8
@@ -145,7 +145,8 @@ def test_list_presets_shows_the_paper_defaults(capsys):
     out = capsys.readouterr().out
     assert "field_lr_scale=20.0" in out.splitlines()[0]
     models = out.splitlines()[1]
-    assert "heads=16" in models and "beta_prior=0.79" in models and "beta_prior_weight=0.01" in models
+    assert "heads=16" in models and "beta_prior_centre=0.79" in models
+    assert "beta_prior_weight=0.01" in models
     frozen = next(line for line in out.splitlines() if line.startswith("paper-qsv-frozen-beta:"))
     assert "frozen_beta=True" in frozen and "beta_init=5.0" in frozen
     assert "repulsion_k=16" in next(line for line in out.splitlines()

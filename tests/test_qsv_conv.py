@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch.nn.parameter import UninitializedParameter
 
-import qsv_pyg.nn.qsv_conv as qsv_conv_module
 from qsv_pyg.nn import QSVConv, graph_csr, qsv_conv_reference, unit_quaternion
 from qsv_pyg.quaternion import (
     conjugate,
@@ -62,9 +61,9 @@ def inputs(num_nodes, channels, heads, dtype=torch.float32, seed=0, batch=None):
 
 
 def spy_fast(conv, monkeypatch):
-    """Record the fast-path choices (:func:`choose_path`) of this instance."""
+    """Record the fast-path choices (:meth:`QSVConv.choose_path`) of this instance."""
     calls = []
-    orig = qsv_conv_module.choose_path
+    orig = QSVConv.choose_path
 
     def spy(layer, *args, **kwargs):
         path = orig(layer, *args, **kwargs)
@@ -72,7 +71,7 @@ def spy_fast(conv, monkeypatch):
             calls.append(path)
         return path
 
-    monkeypatch.setattr(qsv_conv_module, "choose_path", spy)
+    monkeypatch.setattr(QSVConv, "choose_path", spy)
     return calls
 
 

@@ -5,7 +5,7 @@ import torch
 import qsv_pyg.nn._cpu_ext as cpu_ext
 from qsv_pyg.nn import graph_csr, qsv_attend, unit_quaternion
 from qsv_pyg.nn.csr import batch_csr, build_csr
-from qsv_pyg.nn.qsv_kernel import _ext, attend
+from qsv_pyg.nn.qsv_kernel import attend, backend
 from qsv_pyg.quaternion import (
     block_matrix_to_quaternion_grad,
     conjugate,
@@ -272,7 +272,7 @@ def test_csr_of_a_shuffled_graph():
 
 
 def test_batched_csr_is_the_csr_of_offset_copies():
-    from qsv_pyg.nn.graph_args import batch_edge_index
+    from qsv_pyg.nn.csr import batch_edge_index
     ei = random_graph(7, 5, 17, seed=10)
     got = batch_csr(build_csr(ei, 7, 5), 3, 7, 5)
     ref = build_csr(batch_edge_index(ei, 3, 7, 5), 21, 15)
@@ -301,9 +301,9 @@ def test_out_of_range_indices_are_rejected():
 def test_cpp_kernel_is_chosen_on_cpu_when_available():
     if cpu_ext.cpu_kernel() is None:
         pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
-    assert _ext(torch.randn(2, 1, 1, 4)) is cpu_ext.cpu_kernel()
-    assert _ext(torch.randn(2, 1, 1, 4, dtype=torch.float64)) is cpu_ext.cpu_kernel()
-    assert _ext(torch.randn(2, 1, 1, 4).half()) is None
+    assert backend(torch.randn(2, 1, 1, 4)) == "cpp"
+    assert backend(torch.randn(2, 1, 1, 4, dtype=torch.float64)) == "cpp"
+    assert backend(torch.randn(2, 1, 1, 4).half()) == "torch"
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch):

@@ -108,7 +108,7 @@ def graph_net_cls():
 
 
 def test_config_json_round_trip_and_presets(tmp_path):
-    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior=0.1,
+    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior_weight=0.1,
                       model_args={"widths": (16, 16)})
     back = TrainConfig.from_json(cfg.to_json())
     assert back.to_dict() == cfg.to_dict() and back.model_args == {"widths": [16, 16]}
@@ -150,7 +150,7 @@ def test_the_parser_and_the_field_lists_come_from_the_config():
     assert set(ablation_fields()) <= set(fields_with_role(TABLE))
     assert ablation_fields()["frozen_beta"] == "learn_beta"
     # Flags round-trip: the runner builds configurations directly and launches them as argv.
-    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior=0.1,
+    cfg = TrainConfig(model="qsv", routing="abs", frozen_beta=True, beta_prior_weight=0.1,
                       model_args={"widths": [16, 16]}, lr=3e-3, eval_at_minutes=[1.0, 2.5],
                       time_budget=5.0, progress=False)
     values = {k: v for k, v in cfg.to_dict().items() if k != "preset"}

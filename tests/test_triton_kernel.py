@@ -157,7 +157,7 @@ def test_variants_match_the_literal_formula(variant):
 
 
 def _batched(n_src, n_dst, B, seed):
-    from qsv_pyg.nn.graph_args import batch_edge_index
+    from qsv_pyg.nn.csr import batch_edge_index
     ei = random_graph(n_src, n_dst, 12, seed=seed)
     graph = batch_csr(build_csr(ei, n_src, n_dst), B, n_src, n_dst)
     return batch_edge_index(ei, B, n_src, n_dst), graph
@@ -318,10 +318,10 @@ def test_kernels_compile_for_a_gpu():
 def test_available_and_the_dispatch(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.setenv("QSV_PYG_TRITON", "interpret")
-    assert tk.available(cpu) and qsv_kernel._triton(cpu) is tk
+    assert tk.available(cpu) and qsv_kernel.backend(cpu) == "triton"
     assert not tk.available(cpu.long())
     monkeypatch.setenv("QSV_PYG_TRITON", "0")
-    assert not tk.available(cpu) and qsv_kernel._triton(cpu) is None
+    assert not tk.available(cpu) and qsv_kernel.backend(cpu) != "triton"
     monkeypatch.setenv("QSV_PYG_TRITON", "1")  # the default: CUDA tensors only
     assert not tk.available(cpu)
     if CUDA:

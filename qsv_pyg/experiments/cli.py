@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from qsv_pyg.models.zoo import CONTROL_HEADS
 from qsv_pyg.training import cli as train_cli
 from qsv_pyg.training.config import TABLE, ConfigError, fields_with_role, flag_of
 from qsv_pyg.training.run_files import RunFolderError
@@ -102,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default: auto)")
     g.add_argument("--model-overrides", type=_json_object, default={}, metavar="JSON",
                    help="model keywords for every graph model, e.g. '{\"shell_sizes\": [64, 16], "
-                        "\"widths\": [32, 32], \"heads\": 2}'; a model-name key holds keywords "
-                        "for that model only, e.g. '{\"attention-gat\": {\"match_tol\": 0.2}}'")
+                        "\"widths\": [32, 32], \"heads\": 2}'; heads and widths are QSV's: "
+                        "each attention control is parameter-matched to that QSV model with its "
+                        f"own control_heads (default {CONTROL_HEADS}); a model-name key holds "
+                        "keywords for that model only, e.g. '{\"attention-gat\": "
+                        "{\"match_tol\": 0.2}}'")
     g.add_argument("--train-args", default="", metavar="'FLAGS'",
                    help="further qsv-train flags for every run, e.g. "
                         "'--warmup-epochs 1 --amp bf16' (a lone flag needs the = form: "

@@ -48,6 +48,7 @@ from qsv_pyg.models import build_model, zoo
 from qsv_pyg.training import cli as train_cli
 from qsv_pyg.training.checkpoint import CheckpointError, load_checkpoint
 from qsv_pyg.training.config import ConfigError, TrainConfig, resume_overridable, to_argv
+from qsv_pyg.training.config import upgrade_keys
 from qsv_pyg.training.run_files import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, write_json
 from qsv_pyg.training.run_files import read_json as _read_json
 
@@ -281,7 +282,7 @@ def config_differences(requested: TrainConfig, saved: Mapping[str, Any],
 
     Args:
         requested: the configuration the runner would train now.
-        saved: the run's ``config.json``.
+        saved: the run's ``config.json`` (old field names count as today's fields).
         saved_budget: the budget the run was started with (``runner.json``),
             compared with ``requested.time_budget``.
 
@@ -289,6 +290,10 @@ def config_differences(requested: TrainConfig, saved: Mapping[str, Any],
         ``"field: saved X, requested Y"`` strings.
     """
     want = requested.to_dict()
+    try:
+        saved = upgrade_keys(saved)
+    except ConfigError as exc:
+        return [str(exc)]
     defaults = TrainConfig().to_dict()
     # Where and how a run executes may differ, not what it computes; the budget
     # is compared through runner.json below.

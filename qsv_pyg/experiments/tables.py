@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from qsv_pyg.training.config import ROW, ablation_fields, fields_with_role, to_argv
+from qsv_pyg.training.config import ROW, ablation_fields, fields_with_role, to_argv, upgrade_keys
 
 #: Training fields a row may switch besides the ablations (optimiser settings of
 #: the quaternion field); everything else is the same for every row of a table.
@@ -93,7 +93,8 @@ class Row:
         model: registered model name (see :func:`qsv_pyg.models.available_models`).
         switches: ablation fields of :class:`~qsv_pyg.training.config.TrainConfig`
             (see :func:`~qsv_pyg.training.config.ablation_fields`, or one of
-            :data:`ROW_TRAIN_FIELDS`) and their values.
+            :data:`ROW_TRAIN_FIELDS`) and their values; old field names and value
+            spellings are replaced (:func:`~qsv_pyg.training.config.upgrade_keys`).
         paper: what the paper reports for the row.
     """
 
@@ -104,6 +105,7 @@ class Row:
     paper: PaperValue = PaperValue()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "switches", upgrade_keys(self.switches))  # frozen
         known = set(ablation_fields()) | set(ROW_TRAIN_FIELDS)
         unknown = sorted(set(self.switches) - known)
         if unknown:
@@ -235,10 +237,10 @@ BEYOND = Table(
     reference="baseline",
     rows=(
         Row("baseline", "QSV (baseline)", "qsv"),
-        Row("quat-both", "Field ⊗ feature quaternion", "qsv", {"quat_source": "both"}),
+        Row("quat-both", "Field ⊗ feature quaternion", "qsv", {"quat_source": "composed"}),
         Row("field-shared", "One field quaternion per node (shared by heads)", "qsv",
             {"field_per_head": False}),
-        Row("no-beta-prior", "No β prior", "qsv", {"beta_prior": 0.0}),
+        Row("no-beta-prior", "No β prior", "qsv", {"beta_prior_weight": 0.0}),
     ),
 )
 

@@ -6,14 +6,13 @@ graphs themselves) is this module's, so a comparison isolates the conv.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Tuple, Union
 
-import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
 
 from ..nn import QSVConv
+from ..nn.csr import cached_batch_edge_index
 
 CONV_KINDS = ("qsv", "gat", "gatv2", "transformer")
 
@@ -50,9 +49,6 @@ def make_conv(kind: str, in_ch_src: int, in_ch_dst: Optional[int], width: int,
     in_channels = in_ch_src if in_ch_dst is None else (in_ch_src, in_ch_dst)
     out = width // heads
     if kind == "qsv":
-        # The pipeline's graphs are target-sorted kNN graphs: require the
-        # fixed-degree path, which also keeps it under torch.compile.
-        qsv_kwargs.setdefault("dense_path", "always")
         return QSVConv(in_channels, out, heads=heads, concat=True, add_self_loops=False,
                        **qsv_kwargs)
     if kind == "gat":
@@ -66,16 +62,15 @@ class GraphConvAdapter(nn.Module):
     """Run a graph conv on batched features ``[B, N, C]`` over one fixed graph.
 
     :class:`QSVConv` takes the 3-D tensors directly (its batched static-graph
-    mode: the quaternion field and the routing are shared by the batch, and the
-    fixed-degree dense path applies). PyG's convs take 2-D features, so the batch
-    is flattened to ``[B * N, C]`` and the graph replicated ``B`` times with
-    per-copy offsets. The replicated ``edge_index`` is cached per (graph, batch
-    size, device) so it is built once, not every step; both paths therefore see
-    exactly the same edges.
+    mode: the quaternion field and the routing are shared by the batch). PyG's
+    convs take 2-D features, so the batch is flattened to ``[B * N, C]`` and the
+    graph replicated ``B`` times with per-copy offsets; the replicated
+    ``edge_index`` is the graph cache's (:func:`qsv_pyg.nn.csr.cached_batch_edge_index`),
+    built once per graph and batch size, not every step. Both paths therefore
+    see exactly the same edges.
 
     Args:
         conv: a conv built by :func:`make_conv`.
-        cache_size: number of replicated graphs kept (one per batch size in use).
 
     Shapes:
         - **input:** ``x_src [B, N_src, C_src]``, ``x_dst [B, N_dst, C_dst]`` or
@@ -84,19 +79,10 @@ class GraphConvAdapter(nn.Module):
         - **output:** ``[B, N_dst, width]``.
     """
 
-    def __init__(self, conv: nn.Module, cache_size: int = 4):
+    def __init__(self, conv: nn.Module):
         super().__init__()
         self.conv = conv
         self.is_qsv = isinstance(conv, QSVConv)
-        self.cache_size = cache_size
-        # key -> (edge_index it was built from, replicated edge_index). Keeping a
-        # reference to the source tensor makes the identity check in the key safe.
-        self._flat_cache: "OrderedDict[tuple, Tuple[Tensor, Tensor]]" = OrderedDict()
-
-    def _apply(self, fn, *args, **kwargs):
-        # Moving/casting the module replaces the graph buffers: drop stale copies.
-        self._flat_cache.clear()
-        return super()._apply(fn, *args, **kwargs)
 
     def flat_edge_index(self, edge_index: Tensor, batch_size: int, num_src: int,
                         num_dst: int) -> Tensor:
@@ -108,19 +94,7 @@ class GraphConvAdapter(nn.Module):
         Returns:
             Long tensor ``[2, batch_size * E]`` on ``edge_index``'s device (cached).
         """
-        key = (id(edge_index), edge_index._version, batch_size, num_src, num_dst,
-               edge_index.device)
-        hit = self._flat_cache.get(key)
-        if hit is not None and hit[0] is edge_index:
-            self._flat_cache.move_to_end(key)
-            return hit[1]
-        shift = torch.tensor([num_src, num_dst], device=edge_index.device).view(1, 2, 1)
-        copies = torch.arange(batch_size, device=edge_index.device).view(-1, 1, 1) * shift
-        flat = (edge_index.unsqueeze(0) + copies).transpose(0, 1).reshape(2, -1)
-        self._flat_cache[key] = (edge_index, flat)
-        while len(self._flat_cache) > self.cache_size:
-            self._flat_cache.popitem(last=False)
-        return flat
+        return cached_batch_edge_index(edge_index, batch_size, num_src, num_dst)
 
     def forward(self, x_src: Tensor, x_dst: Optional[Tensor], edge_index: Tensor,
                 quat: PairOrTensor = None, pos: PairOrTensor = None) -> Tensor:

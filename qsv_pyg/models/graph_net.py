@@ -15,8 +15,10 @@ reads, so routing and transport between two levels are set by the two fields.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Dict, List, Optional, Sequence, Union
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ from ..geometry import (
 )
 from ..geometry.hierarchy import KINDS as HIERARCHY_KINDS
 from ..nn import QSVConv
+from ..nn.quat_sources import conv_quat_source, quat_source_spellings
 from ..utils import is_positive_int
 from .base import ImageClassifier, format_count
 from .blocks import CONV_KINDS, CrossBlock, WithinBlock
@@ -41,8 +44,10 @@ from .field import QuaternionField
 #: Values of ``geometry``: the kinds of :class:`~qsv_pyg.geometry.Hierarchy`.
 GEOMETRIES = HIERARCHY_KINDS
 #: Values of ``quat_source`` (and ``--quat-source``), each with the QSVConv
-#: ``quat_source`` it selects.
-QUAT_SOURCE_TO_CONV = {"field": "given", "features": "features", "both": "composed"}
+#: ``quat_source`` it selects: GraphNet's sources (``QUAT_SOURCES_OF["GraphNet"]``
+#: of :mod:`qsv_pyg.nn.quat_sources`), then the old spelling ``"both"`` of
+#: ``"composed"`` (``QUAT_SOURCE_ALIASES``).
+QUAT_SOURCE_TO_CONV = {s: conv_quat_source(s) for s in quat_source_spellings("GraphNet")}
 QUAT_SOURCES = tuple(QUAT_SOURCE_TO_CONV)
 #: Options of the quaternion field, which ``quat_source="features"`` does not have.
 FIELD_OPTIONS = ("frozen_field", "field_init", "field_per_head", "repulsion_k",
@@ -67,12 +72,15 @@ QSV_DEFAULTS = dict(
     field_per_head=True,
     beta_init=1.0,
     learn_beta=True,
-    beta_prior=BETA_PRIOR_CENTRE,
+    beta_prior_centre=BETA_PRIOR_CENTRE,
     beta_prior_weight=0.01,
     repulsion_k=8,
     repulsion_weight=0.01,
     root_weight=True,
 )
+#: Old spellings of GraphNet keywords, still accepted: old name -> name (issue 21:
+#: ``beta_prior`` is the centre, whose flag and config key are ``beta_prior_centre``).
+RENAMED_KEYWORDS = {"beta_prior": "beta_prior_centre"}
 
 
 class GraphNet(ImageClassifier):
@@ -120,8 +128,9 @@ class GraphNet(ImageClassifier):
             per node shared by all heads (``False``).
         beta_init: initial routing temperature (``1.0``).
         learn_beta: learn the temperatures (``True``).
-        beta_prior: centre of the log-temperature prior (``0.79``, the paper's
-            fixed point; independent of ``beta_init``).
+        beta_prior_centre: centre of the log-temperature prior (``0.79``, the
+            paper's fixed point; independent of ``beta_init``). Its old name
+            ``beta_prior`` is still accepted.
         beta_prior_weight: weight of
             :math:`\sum (\log\beta - \log\beta_{prior})^2` over all layers and
             heads (``0.01``).
@@ -163,15 +172,19 @@ class GraphNet(ImageClassifier):
         field_per_head: Optional[bool] = None,
         beta_init: Optional[float] = None,
         learn_beta: Optional[bool] = None,
-        beta_prior: Optional[float] = None,
+        beta_prior_centre: Optional[float] = None,
         beta_prior_weight: Optional[float] = None,
         repulsion_k: Optional[int] = None,
         repulsion_weight: Optional[float] = None,
         root_weight: Optional[bool] = None,
+        beta_prior: Optional[float] = None,
     ):
         # The QSV-only arguments, by the names QSV_DEFAULTS lists (taken before any
         # other local exists, so only parameters can match).
         given = {name: value for name, value in locals().items() if name in QSV_DEFAULTS}
+        if beta_prior is not None:
+            given["beta_prior_centre"] = _renamed("beta_prior", beta_prior,
+                                                  given["beta_prior_centre"])
         super().__init__()
         opts = self._resolve_qsv_options(conv, given)
         hierarchy = self._resolve_hierarchy(hierarchy, geometry, spec, k_cross, k_inner)
@@ -306,9 +319,9 @@ class GraphNet(ImageClassifier):
         for name in ("beta_prior_weight", "repulsion_weight"):
             if not (opts[name] >= 0 and math.isfinite(opts[name])):
                 raise ValueError(f"{name} must be a non-negative number, got {opts[name]!r}")
-        prior = opts["beta_prior"]
+        prior = opts["beta_prior_centre"]
         if not (prior > 0 and math.isfinite(prior)):
-            raise ValueError(f"beta_prior must be a positive number, got {prior!r}")
+            raise ValueError(f"beta_prior_centre must be a positive number, got {prior!r}")
         self.log_beta_prior = math.log(prior)
 
         # Repulsion needs a learnable field and same-level neighbours to repel.
@@ -418,3 +431,27 @@ class GraphNet(ImageClassifier):
 
     def extra_repr(self) -> str:
         return f"{self.describe()}, {format_count(self.num_parameters())} parameters"
+
+
+def _renamed(old: str, value: Any, current: Any) -> Any:
+    """The value of a keyword given by its old name (a :class:`DeprecationWarning`)."""
+    new = RENAMED_KEYWORDS[old]
+    if current is not None:
+        raise ValueError(f"pass {new} only ({old} is its old name)")
+    warnings.warn(f"GraphNet's {old}= is now called {new}=", DeprecationWarning, stacklevel=3)
+    return value
+
+
+def graph_net_default(name: str) -> Any:
+    """GraphNet's default for keyword ``name``, where every other module reads it.
+
+    The QSV-only keywords default to ``None`` in the signature (a control rejects
+    them), so theirs come from :data:`QSV_DEFAULTS`; the others from the signature.
+
+    Example:
+        >>> graph_net_default("heads"), graph_net_default("beta_prior_weight")
+        (16, 0.01)
+    """
+    if name in QSV_DEFAULTS:
+        return QSV_DEFAULTS[name]
+    return inspect.signature(GraphNet).parameters[name].default

@@ -5,6 +5,15 @@
   network with the conv swapped for PyG's ``GATConv`` / ``GATv2Conv`` /
   ``TransformerConv``; the widths are scaled so the parameter count is within
   ``match_tol`` (5%) of the QSV model built with the same shared overrides.
+
+Heads: ``heads`` is QSV's head count (quaternions per node; default 16, the
+paper's). A control has its own head count, ``control_heads`` (default
+:data:`CONTROL_HEADS` = 4), and is matched to the QSV model of ``qsv_heads``
+heads and ``qsv_widths`` widths (default: ``qsv``'s). A shared description of the
+models of a comparison (:func:`model_overrides_for`, ``reproduce.py
+--model-overrides``) gives QSV's ``heads``, which a control takes as its
+``qsv_heads``. (``heads`` given to a control itself is the old spelling of
+``control_heads``: still accepted, with a :class:`FutureWarning`.)
 * ``lattice``: QSV on flat square grids with the same node counts and widths.
 
 Overrides are validated by name: a typo raises :class:`TypeError` rather than
@@ -14,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Tuple
+import warnings
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 from ..geometry import (
     Hierarchy,
@@ -23,7 +33,14 @@ from ..geometry import (
     build_lattice_hierarchy,
     build_shell_hierarchy,
 )
-from .graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS, GraphNet
+from .graph_net import (
+    DEFAULT_HEADS,
+    DEFAULT_WIDTHS,
+    QSV_DEFAULTS,
+    RENAMED_KEYWORDS,
+    GraphNet,
+    graph_net_default,
+)
 from .matching import count_parameters, match_width, scale_widths
 from .registry import available_models, register_model
 
@@ -32,12 +49,15 @@ SHARED = ("k_cross", "k_inner", "heads", "patch_size", "image_size", "mlp_ratio"
           "within_rounds")
 SHELL_KEYS = ("shell_sizes", "shell_radii")
 LATTICE_KEYS = ("lattice_sides", )
-QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS)
-CONTROL_KEYS = ("widths", "qsv_widths", "qsv_heads", "match_tol")
-#: Heads of the attention controls unless overridden: their own setting from before
-#: QSV moved to the paper's 16 heads (16 heads of 4-8 channels would be a choice
-#: against dot-product attention, which the matched comparison must not make).
+QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS) + tuple(RENAMED_KEYWORDS)
+CONTROL_KEYS = ("widths", "qsv_widths", "qsv_heads", "control_heads", "match_tol")
+#: ``control_heads``: heads of the attention controls unless overridden, their own
+#: setting from before QSV moved to the paper's 16 heads (16 heads of 4-8 channels
+#: would be a choice against dot-product attention, which the matched comparison
+#: must not make).
 CONTROL_HEADS = 4
+#: ``match_tol``: relative distance of a control's parameter count to its QSV reference.
+MATCH_TOL = 0.05
 
 # Overrides each family of graph models accepts.
 _ACCEPTS = {
@@ -90,8 +110,9 @@ def _split(overrides: Dict[str, Any], geometry: str) -> Tuple[Hierarchy, Dict[st
             raise ValueError("shell_radii needs shell_sizes")
     else:
         sizes, radii = rest.pop("lattice_sides", None), None
-    hierarchy = _hierarchy(geometry, sizes, radii, rest.pop("k_cross", 8),
-                           rest.pop("k_inner", 8))
+    hierarchy = _hierarchy(geometry, sizes, radii,
+                           rest.pop("k_cross", graph_net_default("k_cross")),
+                           rest.pop("k_inner", graph_net_default("k_inner")))
     return hierarchy, rest
 
 
@@ -108,9 +129,9 @@ def qsv(num_classes: int = 10, **overrides) -> GraphNet:
     ``k_cross``, ``k_inner``, ``heads``, ``patch_size``, ``image_size``,
     ``mlp_ratio``, ``within_rounds``, ``widths``, ``check_finite`` and every
     QSV-only :class:`GraphNet` argument (``routing``, ``transport``,
-    ``quat_source``, ``frozen_field``, ``field_init``, ``beta_init``,
-    ``learn_beta``, ``beta_prior``, ``beta_prior_weight``, ``repulsion_k``,
-    ``repulsion_weight``).
+    ``quat_source``, ``frozen_field``, ``field_init``, ``field_per_head``,
+    ``beta_init``, ``learn_beta``, ``beta_prior_centre``, ``beta_prior_weight``,
+    ``repulsion_k``, ``repulsion_weight``, ``root_weight``).
     """
     _check_overrides("qsv", overrides, SHARED + SHELL_KEYS + QSV_KEYS)
     return _graph_net(num_classes, "shells", conv="qsv", **overrides)
@@ -158,11 +179,15 @@ def _control(conv: str, name: str, num_classes: int, overrides: Dict[str, Any]) 
     overrides = {k: _freeze(v) for k, v in overrides.items()}
     if "widths" in overrides and "qsv_widths" in overrides:
         raise ValueError("pass either widths (used as given) or qsv_widths (matched)")
+    if "heads" in overrides:
+        overrides["control_heads"] = _old_control_heads(name, overrides.pop("heads"),
+                                                        overrides.get("control_heads"))
     widths = overrides.pop("widths", None)
     qsv_widths = overrides.pop("qsv_widths", DEFAULT_WIDTHS)
     qsv_heads = overrides.pop("qsv_heads", DEFAULT_HEADS)
-    tol = overrides.pop("match_tol", 0.05)
-    overrides.setdefault("heads", CONTROL_HEADS)
+    tol = overrides.pop("match_tol", MATCH_TOL)
+    # From here on, GraphNet's keywords: its heads are the control's own.
+    overrides["heads"] = overrides.pop("control_heads", CONTROL_HEADS)
     if widths is None:
         # The reference is the QSV model (qsv_widths, qsv_heads) with the overrides
         # both models share.
@@ -171,15 +196,28 @@ def _control(conv: str, name: str, num_classes: int, overrides: Dict[str, Any]) 
     return _graph_net(num_classes, "shells", conv=conv, widths=widths, **overrides)
 
 
+def _old_control_heads(name: str, heads: Any, control_heads: Any) -> Any:
+    """``heads`` given to a control: the old spelling of its ``control_heads``."""
+    if control_heads is not None:
+        raise ValueError(f"{name}: pass control_heads (its own heads) and qsv_heads (the QSV "
+                         "reference's), not heads")
+    warnings.warn(f"{name}(heads={heads!r}): a control's own head count is now "
+                  f"control_heads={heads!r}; heads is QSV's head count (a control is matched "
+                  "to the QSV model of qsv_heads heads)", FutureWarning, stacklevel=4)
+    return heads
+
+
 @register_model("attention-gat")
 def attention_gat(num_classes: int = 10, **overrides) -> GraphNet:
     """QSV's network with ``GATConv``; parameters matched to ``qsv`` within 5%.
 
-    Overrides: the shared ones of ``qsv`` (geometry, k's, heads, patch size,
-    MLP ratio, within rounds; ``heads`` defaults to 4) plus ``qsv_widths`` and
-    ``qsv_heads`` (widths and heads of the QSV reference to match, default
-    ``qsv``'s), ``match_tol`` (default 0.05) or ``widths``
-    (use exactly these widths, no matching).
+    Overrides: the shared ones of ``qsv`` but ``heads`` (geometry, k's, patch
+    size, MLP ratio, within rounds) plus ``control_heads`` (its own heads, default
+    :data:`CONTROL_HEADS` = 4), ``qsv_widths`` and ``qsv_heads`` (widths and
+    heads of the QSV reference to match, default ``qsv``'s), ``match_tol``
+    (default :data:`MATCH_TOL` = 0.05) or ``widths`` (use exactly these widths,
+    no matching). ``heads`` is the old spelling of ``control_heads`` (a
+    :class:`FutureWarning`): everywhere else it is QSV's head count.
     """
     return _control("gat", "attention-gat", num_classes, overrides)
 
@@ -209,14 +247,16 @@ def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, A
     * ``lattice``: ``shell_sizes`` become ``lattice_sides`` (square roots: a
       grid with the shells' node counts; the sizes must be perfect squares unless
       ``lattice_sides`` is given); ``shell_radii`` is dropped.
-    * ``attention-*``: ``widths`` and ``heads`` become ``qsv_widths`` and
+    * ``attention-*``: ``widths`` and ``heads`` (QSV's) become ``qsv_widths`` and
       ``qsv_heads``, so the control is parameter-matched to the QSV model of those
-      widths and heads, as at full scale, with its own head count;
-      QSV-only keywords (routing, field, β, repulsion) are dropped.
+      widths and heads, as at full scale, with its own ``control_heads``
+      (default :data:`CONTROL_HEADS`); QSV-only keywords (routing, field, β,
+      repulsion) are dropped.
     * other models (``resnet20``): nothing of the shared part.
 
     A key equal to a model name holds a dict of keywords for that model only,
-    applied last and as given (e.g. ``{"attention-gat": {"match_tol": 0.2}}``).
+    applied last and as given (e.g. ``{"attention-gat": {"match_tol": 0.2}}``, or
+    ``{"attention-gat": {"control_heads": 8}}`` for the control's own heads).
 
     Args:
         model: a registered model name.
@@ -245,7 +285,7 @@ def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, A
     nested = dict(overrides.get(model, {}))
 
     kind = "attention" if model.startswith("attention-") else model
-    accepted = _ACCEPTS.get(kind)
+    accepted = accepted_overrides(model)
     if accepted is None:
         return nested
     if kind == "lattice" and "shell_sizes" in common and "lattice_sides" not in common \
@@ -254,12 +294,22 @@ def model_overrides_for(model: str, overrides: Mapping[str, Any]) -> Dict[str, A
     if kind == "attention" and "widths" in common and "qsv_widths" not in common:
         common["qsv_widths"] = common.pop("widths")
     if kind == "attention" and "heads" in common and "qsv_heads" not in common:
-        common["qsv_heads"] = common.pop("heads")  # the controls keep their own heads
+        common["qsv_heads"] = common.pop("heads")  # QSV's; the control keeps control_heads
     out = {k: v for k, v in common.items() if k in accepted}
     if kind == "attention" and "widths" in nested:
         out.pop("qsv_widths", None)  # explicit control widths: no matching
     out.update(nested)
     return out
+
+
+def accepted_overrides(model: str) -> Optional[FrozenSet[str]]:
+    """The overrides a registered graph model accepts (``None`` for another model).
+
+    Example:
+        >>> "repulsion_k" in accepted_overrides("lattice"), accepted_overrides("resnet20")
+        (True, None)
+    """
+    return _ACCEPTS.get("attention" if model.startswith("attention-") else model)
 
 
 def _square_sides(sizes: Any) -> List[int]:

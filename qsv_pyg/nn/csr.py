@@ -1,12 +1,18 @@
-r"""The target-sorted CSR form of a graph, built once per graph and cached.
+r"""The graph structure: edge index checks and self-loops, the target-sorted
+CSR of a graph, batch copies of a graph, and the one cache of both.
 
 :func:`~qsv_pyg.nn.qsv_kernel.qsv_attend` walks the incoming edges of every
 target (softmax and weighted sum) and, in its backward, the outgoing edges of
 every source. Both orders come from one sort each, done once per graph (as
 PyG's :class:`~torch_geometric.EdgeIndex` caches its sort) and reused while the
-``edge_index`` tensor holds the same values. Under :func:`torch.compile` the
-same arrays are built inside the graph on every call (sorts of static shape,
-no host syncs): the cache cannot key on storage there.
+``edge_index`` tensor holds the same values (:func:`graph_csr`). A batch of
+``B`` items over one graph is ``B`` disjoint copies of it, node indices of copy
+``b`` offset by ``b * N`` (:func:`batch_edge_index`, :func:`batch_csr`; both from
+:func:`_copies`); :func:`cached_batch_edge_index` caches the copies in the same
+cache, for message passing (:class:`~qsv_pyg.nn.QSVConv`'s other path, PyG's
+convs in :class:`~qsv_pyg.models.blocks.GraphConvAdapter`). Under
+:func:`torch.compile` the same arrays are built inside the graph on every call
+(sorts of static shape, no host syncs): the cache cannot key on storage there.
 
 What the cache (:func:`graph_csr`) guarantees:
 
@@ -38,8 +44,8 @@ What the cache (:func:`graph_csr`) guarantees:
   hit, in inference only). The cached arrays are built outside inference
   mode, so a graph first seen under :func:`torch.inference_mode` can later be
   trained on.
-- **Bounded by bytes.** The entries' index arrays (the CSR arrays and the
-  copies) hold at most ``max_bytes`` (default :data:`MAX_BYTES`, 256 MiB) and
+- **Bounded by bytes.** The entries' index arrays (the CSR arrays, batch
+  copies, and the copies kept for verification) hold at most ``max_bytes`` (default :data:`MAX_BYTES`, 256 MiB) and
   there are at most ``max_entries`` graphs (default :data:`MAX_ENTRIES`, 32);
   the least recently used go first. An int64 graph of degree 16 takes 57
   bytes an edge (the copy 16, five ``[E]`` arrays 40, two row pointers), so
@@ -57,11 +63,13 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch_geometric import is_compiling
+from torch_geometric.typing import Adj, SparseTensor
+from torch_geometric.utils import add_self_loops, is_torch_sparse_tensor, remove_self_loops
 
 
 class GraphCSR(NamedTuple):
@@ -103,6 +111,37 @@ def build_csr(edge_index: Tensor, num_src: int, num_dst: int) -> GraphCSR:
                     row[perm_t])
 
 
+def check_edge_index(edge_index: Tensor) -> None:
+    """A plain edge index must be an integer ``[2, E]`` tensor (a ValueError
+    naming what is wrong)."""
+    if edge_index.is_floating_point() or edge_index.is_complex() \
+            or edge_index.dtype == torch.bool:
+        raise ValueError(f"edge_index must be an integer tensor (torch.long), got "
+                         f"{edge_index.dtype}")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, num_edges], got "
+                         f"{tuple(edge_index.shape)}")
+
+
+def with_self_loops(edge_index: Adj, x_src: Tensor, x_dst: Optional[Tensor],
+                    size: Optional[Tuple[int, int]]) -> Adj:
+    """``edge_index`` with one self-loop per node present on both sides (as in
+    GATConv); existing self-loops are replaced."""
+    if isinstance(edge_index, SparseTensor):
+        from torch_geometric.typing import torch_sparse
+        return torch_sparse.set_diag(edge_index)
+    if is_torch_sparse_tensor(edge_index):
+        raise ValueError("add_self_loops=True is not supported for torch.sparse "
+                         "adjacencies; add the diagonal before calling QSVConv")
+    num_nodes = x_src.size(-2)
+    if x_dst is not None:
+        num_nodes = min(num_nodes, x_dst.size(-2))
+    if size is not None:
+        num_nodes = min(size)
+    edge_index, _ = remove_self_loops(edge_index)
+    edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
+    return edge_index
+
 def _index_ranges(edge_index: Tensor) -> Optional[List[int]]:
     """``[src_min, dst_min, src_max, dst_max]`` of a ``[2, E]`` edge index, by
     one reduction and one host sync (:obj:`None` when there are no edges)."""
@@ -128,21 +167,46 @@ def check_range(edge_index: Tensor, num_src: int, num_dst: int) -> None:
     _check_ranges(_index_ranges(edge_index), num_src, num_dst)
 
 
+def _copies(t: Tensor, batch: int, step: int) -> Tensor:
+    """``batch`` copies of the 1-D ``t`` end to end, copy ``b`` plus ``b * step``:
+    the one batch-offset builder. From ``arange`` and Python scalars only (a
+    tensor built from host data would be a host-to-device copy, a sync on CUDA)."""
+    b = torch.arange(batch, device=t.device).view(-1, 1)
+    return (t.view(1, -1) + b * step).reshape(-1)
+
+
+def batch_edge_index(edge_index: Tensor, batch: int, num_src: int, num_dst: int) -> Tensor:
+    """``batch`` copies of ``edge_index``, copy ``b`` offset by ``(b * num_src,
+    b * num_dst)``, concatenated in batch order: ``[2, batch * E]`` (no cache;
+    :func:`cached_batch_edge_index` caches it)."""
+    if type(edge_index) is not Tensor:  # EdgeIndex; its own ops break compile
+        edge_index = edge_index.as_subclass(Tensor)
+    return torch.stack([_copies(edge_index[0], batch, num_src),
+                        _copies(edge_index[1], batch, num_dst)])
+
+
 def batch_csr(g: GraphCSR, batch: int, num_src: int, num_dst: int) -> GraphCSR:
-    """``batch`` disjoint copies of ``g`` (copy ``b``'s nodes offset by ``b * N``)."""
+    """``batch`` disjoint copies of ``g`` (copy ``b``'s nodes offset by ``b * N``):
+    the CSR of :func:`batch_edge_index`, without sorting again."""
     E = g.num_edges
-    b = torch.arange(batch, device=g.col.device).view(-1, 1)
 
     def ptr(p: Tensor) -> Tensor:
-        return torch.cat([(p[:-1].view(1, -1) + b * E).reshape(-1),
-                          p.new_full((1, ), batch * E)])
+        return torch.cat([_copies(p[:-1], batch, E), p.new_full((1, ), batch * E)])
 
-    def shift(t: Tensor, by: int) -> Tensor:
-        return (t.view(1, -1) + b * by).reshape(-1)
+    return GraphCSR(ptr(g.rowptr), _copies(g.col, batch, num_src),
+                    _copies(g.row, batch, num_dst), _copies(g.perm, batch, E),
+                    ptr(g.rowptr_t), _copies(g.perm_t, batch, E),
+                    _copies(g.row_t, batch, num_dst))
 
-    return GraphCSR(ptr(g.rowptr), shift(g.col, num_src), shift(g.row, num_dst),
-                    shift(g.perm, E), ptr(g.rowptr_t), shift(g.perm_t, E),
-                    shift(g.row_t, num_dst))
+
+def plain_edge_index(edge_index: Tensor) -> Tensor:
+    """A plain tensor of ``edge_index``'s values: an
+    :class:`~torch_geometric.EdgeIndex` keeps them in its ``as_tensor()``."""
+    if type(edge_index) is Tensor:
+        return edge_index
+    if hasattr(edge_index, "as_tensor"):
+        return edge_index.as_tensor()
+    return edge_index.as_subclass(Tensor)
 
 
 #: Default limit on the bytes the cache holds (its entries' index arrays).
@@ -154,7 +218,9 @@ MAX_ENTRIES = 32
 class _Entry:
     """One graph: a copy of its edge index when its hits are verified (else
     the tensor itself and its version, pinned so that its address is not
-    reused), its index ranges, and its CSRs by ``(num_src, num_dst, batch)``."""
+    reused), its index ranges, and what is derived from it (``csrs``): its
+    CSRs by ``("csr", num_src, num_dst, batch)`` and its batch copies by
+    ``("copies", num_src, num_dst, batch)`` (as 1-tuples), all tuples of tensors."""
     __slots__ = ("ref", "copied", "version", "ranges", "csrs", "nbytes")
 
     def __init__(self, edge_index: Tensor, copied: bool):
@@ -163,7 +229,7 @@ class _Entry:
             else edge_index
         self.version = None if copied else edge_index._version
         self.ranges = _index_ranges(edge_index)  # the one host sync of a new graph
-        self.csrs: Dict[Tuple[int, int, int], GraphCSR] = {}
+        self.csrs: Dict[tuple, Tuple[Tensor, ...]] = {}
         self.nbytes = self.ref.numel() * self.ref.element_size()
 
     def holds(self, edge_index: Tensor) -> bool:
@@ -172,11 +238,10 @@ class _Entry:
             return _same_values(edge_index, self.ref)
         return not edge_index.is_inference() and edge_index._version == self.version
 
-    def add(self, sub: Tuple[int, int, int], g: GraphCSR) -> int:
-        self.csrs[sub] = g
-        added = sum(t.nbytes for t in g)
-        self.nbytes += added
-        return added
+    def add(self, sub: tuple, arrays: Tuple[Tensor, ...]):
+        self.csrs[sub] = arrays
+        self.nbytes += sum(t.nbytes for t in arrays)
+        return arrays
 
 
 _CACHE: "OrderedDict[tuple, _Entry]" = OrderedDict()
@@ -258,11 +323,12 @@ def _evict(current: Optional[tuple]) -> None:
         key = next(iter(_CACHE))
         if key == current and max_bytes > 0 and max_entries > 0:
             warnings.warn(
-                f"a graph's CSR needs {_CACHE[key].nbytes / 2 ** 20:.1f} MiB, more than "
-                f"the CSR cache's limit of {max_bytes / 2 ** 20:.1f} MiB: it is not "
-                f"cached and is rebuilt on every call (raise the limit with "
+                f"a graph's index arrays (CSR, batch copies) need "
+                f"{_CACHE[key].nbytes / 2 ** 20:.1f} MiB, more than the graph cache's "
+                f"limit of {max_bytes / 2 ** 20:.1f} MiB: it is not cached and is "
+                f"rebuilt on every call (raise the limit with "
                 f"qsv_pyg.nn.csr.configure_cache(max_bytes=...))", RuntimeWarning,
-                stacklevel=4)
+                stacklevel=5)
         _drop(key)
 
 
@@ -288,12 +354,45 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
     if is_compiling():
         g = build_csr(edge_index, num_src, num_dst)
         return batch_csr(g, batch, num_src, num_dst) if batch else g
+    return _cached(edge_index, ("csr", num_src, num_dst, batch), _make_csr)
+
+
+def cached_batch_edge_index(edge_index: Tensor, batch: int, num_src: int,
+                            num_dst: int) -> Tensor:
+    """:func:`batch_edge_index`, cached with the graph's CSRs (the same
+    identity, verification, range check and limits as :func:`graph_csr`)."""
+    if is_compiling():
+        return batch_edge_index(edge_index, batch, num_src, num_dst)
+    edge_index = plain_edge_index(edge_index)
+    return _cached(edge_index, ("copies", num_src, num_dst, batch), _make_copies)[0]
+
+
+def _make_csr(entry: _Entry, edge_index: Tensor, num_src: int, num_dst: int,
+              batch: int) -> GraphCSR:
+    base = entry.csrs.get(("csr", num_src, num_dst, 0))
+    if base is None:
+        base = entry.add(("csr", num_src, num_dst, 0), build_csr(edge_index, num_src, num_dst))
+    if not batch:
+        return base
+    return entry.add(("csr", num_src, num_dst, batch),
+                     batch_csr(base, batch, num_src, num_dst))
+
+
+def _make_copies(entry: _Entry, edge_index: Tensor, num_src: int, num_dst: int,
+                 batch: int) -> Tuple[Tensor]:
+    return entry.add(("copies", num_src, num_dst, batch),
+                     (batch_edge_index(edge_index, batch, num_src, num_dst), ))
+
+
+def _cached(edge_index: Tensor, sub: tuple, make: Callable) -> tuple:
+    """The arrays ``sub = (kind, num_src, num_dst, batch)`` of ``edge_index``:
+    from its entry, or made (``make(entry, edge_index, num_src, num_dst,
+    batch)``, which adds them to the entry) after the entry's range check."""
     key = _key(edge_index)
     entry = _CACHE.get(key)
     if entry is not None and not entry.holds(edge_index):
         _drop(key)  # the same tensor (or address) with other values
         entry = None
-    sub = (num_src, num_dst, batch)
     if entry is not None:
         hit = entry.csrs.get(sub)
         if hit is not None:
@@ -303,23 +402,14 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
         new = entry is None
         if new:
             entry = _Entry(edge_index, _verifies(edge_index))
-        _check_ranges(entry.ranges, num_src, num_dst)
-        base_sub = (num_src, num_dst, 0)
-        base = entry.csrs.get(base_sub)
-        if base is None:
-            base = build_csr(edge_index, num_src, num_dst)
-            added = entry.add(base_sub, base)
-            if not new:
-                _HELD[0] += added
-        g = base
-        if batch:
-            g = batch_csr(base, batch, num_src, num_dst)
-            added = entry.add(sub, g)
-            if not new:
-                _HELD[0] += added
+        _check_ranges(entry.ranges, sub[1], sub[2])
+        before = entry.nbytes
+        out = make(entry, edge_index, *sub[1:])
     if new:
         _CACHE[key] = entry
         _HELD[0] += entry.nbytes
+    else:
+        _HELD[0] += entry.nbytes - before
     _CACHE.move_to_end(key)
     _evict(key)
-    return g
+    return out

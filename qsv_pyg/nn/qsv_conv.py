@@ -1,4 +1,14 @@
-"""QSVConv: quaternion graph attention as a PyG ``MessagePassing`` layer."""
+"""QSVConv: quaternion graph attention as a PyG ``MessagePassing`` layer.
+
+The layer in one file, read top to bottom: options, set-up and state dicts,
+where the node quaternions come from (``quat_source``; its names are in
+:mod:`qsv_pyg.nn.quat_sources`), the checks of a call, the choice of path,
+``forward``, the fast path (the registered operator of
+:mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR, :mod:`qsv_pyg.nn.csr`)
+and PyG message passing. Both paths take the routing logit from
+:func:`~qsv_pyg.nn.qsv_kernel.routing_logits`; :mod:`qsv_pyg.nn.reference`
+keeps the literal per-edge formula.
+"""
 from __future__ import annotations
 
 import math
@@ -11,6 +21,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.nn.parameter import UninitializedParameter
 
+from torch_geometric import is_compiling
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
@@ -18,12 +29,21 @@ from torch_geometric.typing import Adj, OptTensor, Size, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor, softmax
 from torch_geometric.utils.sparse import set_sparse_value
 
-from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
-from .dispatch import choose_path
-from .fast_path import attend
-from .graph_args import batched_propagate, num_targets, with_self_loops
-from .inputs import check_call, positions
-from .quat_sources import QUAT_SOURCES, NodeQuaternions
+from ..quaternion import (
+    hamilton_product,
+    matrix_rotate_blocks,
+    quaternion_to_matrix,
+    unit_quaternion,
+)
+from .csr import (
+    cached_batch_edge_index,
+    check_edge_index,
+    graph_csr,
+    plain_edge_index,
+    with_self_loops,
+)
+from .qsv_kernel import geometric_keys, qsv_attend, routing_logits
+from .quat_sources import resolve_quat_source
 
 if typing.TYPE_CHECKING:
     from typing import overload
@@ -32,6 +52,7 @@ else:
 
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
+#: ``"always"``: a deprecated synonym of ``"auto"``, accepted for old code.
 DENSE_PATHS = ("auto", "always", "never")
 
 
@@ -42,7 +63,41 @@ def _check_option(name: str, value: str, choices: Tuple[str, ...]) -> str:
     return value
 
 
-class QSVConv(NodeQuaternions, MessagePassing):
+#: The aggregations of :meth:`QSVConv.choose_path`.
+PATHS = ("attend_shared", "attend_per_item", "message_passing")
+# PyG's per-step hooks, which only message passing runs. PyG registers them
+# through public methods (``register_message_forward_hook`` ...) but has no
+# public way to ask for them: these are the dictionaries those methods fill
+# (tests/test_dispatch.py registers one of each kind).
+_PYG_HOOKS = tuple(f"_{step}_forward{kind}_hooks" for step in (
+    "propagate", "message", "aggregate", "message_and_aggregate", "edge_update")
+    for kind in ("_pre", ""))
+
+
+# ------------------------------------------------------------ input checks
+# Every check raises ValueError naming the argument and what was wrong, so that
+# a bad call never surfaces as an opaque torch error deep inside the aggregation.
+def _check_float(t: Optional[Tensor], name: str) -> None:
+    if t is not None and not t.is_floating_point():
+        raise ValueError(f"QSVConv: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_finite(t: Optional[Tensor], name: str) -> None:
+    """Raise on NaN or infinite entries (one reduction and a host sync)."""
+    if t is not None and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"QSVConv received non-finite {name}")
+
+
+def _flat_batch(t: OptTensor, batch: int) -> OptTensor:
+    """Per-item ``[B, N, H, *]`` (4-D) or shared ``[N, *]`` -> ``[B * N, *]``:
+    node rows of ``batch`` disjoint copies of a graph."""
+    if t is None:
+        return None
+    t = t if t.dim() == 4 else t.unsqueeze(0).expand(batch, *t.shape)
+    return t.reshape(batch * t.size(1), *t.shape[2:])
+
+
+class QSVConv(MessagePassing):
     r"""Quaternion graph attention from Quat-Sphere-Vision (QSV).
 
     Every node carries one unit quaternion per head, :math:`q_i^{(h)}`, in place
@@ -72,13 +127,14 @@ class QSVConv(NodeQuaternions, MessagePassing):
     head, a softmax, a weighted sum); :mod:`qsv_pyg.nn.reference` keeps the
     literal per-edge formula for testing.
 
-    Every graph takes one fast path (:mod:`qsv_pyg.nn.dispatch`): its
-    target-sorted CSR is built once and cached (:mod:`qsv_pyg.nn.csr`), and the
-    rotations, softmax and weighted sum run as one registered operator with a
-    hand-written backward (:func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`; a C++
-    kernel on CPU), which :func:`torch.compile` and autocast keep. Attention
-    dropout while training, explainers and sparse adjacencies use PyG's message
-    passing instead.
+    Every graph takes one fast path (:meth:`choose_path` says which path a
+    call takes, and why): its target-sorted CSR is built once and cached
+    (:mod:`qsv_pyg.nn.csr`), and the rotations, softmax and weighted sum run
+    as one registered operator with a hand-written backward
+    (:func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`; C++ on CPU, Triton on CUDA),
+    which :func:`torch.compile` and autocast keep. Attention dropout while
+    training, explainers, message-passing hooks and sparse adjacencies use
+    PyG's message passing instead.
 
     Args:
         in_channels (int or tuple): Size of each input sample, or :obj:`-1` to
@@ -115,17 +171,19 @@ class QSVConv(NodeQuaternions, MessagePassing):
         root_weight (bool, optional): Add the transformed target features
             :math:`\mathbf{W}_r \mathbf{x}_i`. (default: :obj:`True`)
         bias (bool, optional): Learn an additive bias. (default: :obj:`True`)
-        quat_source (str, optional): Where the node quaternions come from.
+        quat_source (str, optional): Where the node quaternions come from
+            (``QUAT_SOURCES_OF["QSVConv"]`` of :mod:`qsv_pyg.nn.quat_sources`).
             ``"auto"``: the ``quat`` argument when given, else a learned linear
             map of the features to ``heads × 4`` (normalised). ``"features"``:
             always the linear map. ``"given"``: always ``quat`` (no map is
-            created). ``"composed"``: ``quat ⊗ q(x)``, a given field composed with
-            the feature quaternion. (default: :obj:`"auto"`)
+            created). ``"composed"`` (old spelling ``"both"``): ``quat ⊗ q(x)``,
+            a given field composed with the feature quaternion.
+            (default: :obj:`"auto"`)
         dense_path (str, optional): ``"auto"`` takes the fast path whenever the
             call allows; ``"never"`` always uses message passing (for
-            comparisons). ``"always"`` is accepted as a synonym of ``"auto"``
-            (it once required a fixed-degree graph; every graph has the fast
-            path now). (default: :obj:`"auto"`)
+            comparisons). ``"always"`` is a deprecated synonym of ``"auto"``,
+            still accepted for old code (it once required a fixed-degree
+            graph; every graph has the fast path now). (default: :obj:`"auto"`)
         check_finite (bool, optional): Raise :class:`ValueError` on non-finite
             features, quaternions, positions or temperatures :math:`\beta_h`.
             This costs one reduction and a host sync per input and is skipped
@@ -193,7 +251,7 @@ class QSVConv(NodeQuaternions, MessagePassing):
         self.dropout = dropout
         self.add_self_loops = add_self_loops
         self.root_weight = root_weight
-        self.quat_source = _check_option("quat_source", quat_source, QUAT_SOURCES)
+        self.quat_source = resolve_quat_source(quat_source, "QSVConv")
         self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
         self.check_finite = check_finite
 
@@ -293,6 +351,200 @@ class QSVConv(NodeQuaternions, MessagePassing):
         r"""The per-head routing temperatures :math:`\beta_h` (shape ``[heads]``)."""
         return self.log_beta.exp()
 
+    # ---------------------------------------------------- node quaternions
+    def _make_quat_maps(self, in_channels) -> None:
+        """Feature -> quaternion maps (one per side for bipartite graphs, as in
+        GATConv's ``lin_src``/``lin_dst``); none for ``quat_source="given"``."""
+        self.lin_quat = self.lin_quat_src = self.lin_quat_dst = None
+        if self.quat_source == "given":
+            return
+        out = self.heads * 4
+        if isinstance(in_channels, int):
+            self.lin_quat = Linear(in_channels, out, bias=True, weight_initializer="glorot")
+        else:
+            self.lin_quat_src = Linear(in_channels[0], out, bias=True,
+                                       weight_initializer="glorot")
+            self.lin_quat_dst = Linear(in_channels[1], out, bias=True,
+                                       weight_initializer="glorot")
+
+    def _feature_quat(self, x: Tensor, side: str) -> Tensor:
+        lin = self.lin_quat
+        if lin is None:
+            lin = self.lin_quat_src if side == "src" else self.lin_quat_dst
+        assert lin is not None
+        if isinstance(lin.weight, UninitializedParameter):
+            lin(x)  # PyG's lazy Linear materialises itself on its first call
+            self._near_identity(lin)
+        return lin(x).view(*x.shape[:-1], self.heads, 4)
+
+    def _near_identity(self, lin) -> None:
+        """Start a feature map near the identity rotation, so the initial
+        transport is mild and the normalisation well conditioned."""
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+            lin.bias.zero_()
+            lin.bias.view(self.heads, 4)[:, 0] = 1.0
+
+    def _given_quat(self, quat: Tensor, num_nodes: int, side: str) -> Tensor:
+        _check_float(quat, f"{side} quaternions (quat)")
+        if quat.dim() == 2 and quat.size(-1) == 4:
+            quat = quat.unsqueeze(1).expand(-1, self.heads, 4)
+        if quat.dim() not in (3, 4) or quat.size(-2) != self.heads or quat.size(-1) != 4:
+            raise ValueError(
+                f"{side} quaternions must have shape [num_nodes, heads={self.heads}, 4] "
+                f"(or [num_nodes, 4] to share one across heads, or [batch, num_nodes, "
+                f"heads, 4] for batched inputs); got {tuple(quat.shape)}")
+        if quat.size(-3) != num_nodes:
+            raise ValueError(f"{side} quaternions have {quat.size(-3)} rows but there "
+                             f"are {num_nodes} {side} nodes")
+        return quat
+
+    def _node_quaternions(self, x_src: Tensor, x_dst: OptTensor,
+                          quat: Union[Tensor, Tuple[OptTensor, OptTensor], None],
+                          num_dst: int) -> Tuple[Tensor, OptTensor]:
+        """Unit quaternions ``[N_src, H, 4]`` and ``[N_dst, H, 4]`` (or None);
+        ``[B, N, H, 4]`` per batch item when they come from ``[B, N, C]``
+        features."""
+        src_q: OptTensor = None
+        dst_q: OptTensor = None
+        bipartite = x_dst is not x_src
+        if quat is not None:
+            if isinstance(quat, Tensor):
+                src_q = dst_q = self._given_quat(quat, x_src.size(-2), "source")
+                if bipartite:
+                    raise ValueError("for bipartite inputs pass quat as a pair "
+                                     "(quat_src, quat_dst)")
+            else:
+                q_s, q_d = quat
+                if q_s is None:
+                    raise ValueError("the source quaternions quat[0] are missing")
+                src_q = self._given_quat(q_s, x_src.size(-2), "source")
+                if q_d is not None:
+                    dst_q = self._given_quat(q_d, num_dst, "target")
+        source = self.quat_source
+        if source == "auto":
+            source = "features" if quat is None else "given"
+        if source in ("given", "composed") and src_q is None:
+            raise ValueError(f"quat_source={self.quat_source!r} needs the quat argument")
+        if source == "features" and quat is not None:
+            raise ValueError("quat_source='features' computes quaternions from the "
+                             "features; do not pass quat (or use 'auto'/'composed')")
+
+        if source in ("features", "composed"):
+            f_src = self._feature_quat(x_src, "src")
+            f_dst = f_src if not bipartite else (
+                None if x_dst is None else self._feature_quat(x_dst, "dst"))
+            if source == "features":
+                src_q, dst_q = f_src, f_dst
+            else:
+                assert src_q is not None
+                # Normalise the given field first, so that a zero quaternion
+                # counts as the identity here too (identity ⊗ q(x) = q(x)).
+                new_src = hamilton_product(unit_quaternion(src_q), unit_quaternion(f_src))
+                if bipartite:
+                    dst_q = None if (dst_q is None or f_dst is None) else \
+                        hamilton_product(unit_quaternion(dst_q), unit_quaternion(f_dst))
+                else:
+                    dst_q = new_src
+                src_q = new_src
+
+        assert src_q is not None
+        if self.check_finite and not is_compiling():
+            _check_finite(src_q, "source quaternions")
+            _check_finite(dst_q, "target quaternions")
+        unit_src = unit_quaternion(src_q)
+        if dst_q is None:
+            return unit_src, None
+        if dst_q is src_q:
+            return unit_src, unit_src
+        return unit_src, unit_quaternion(dst_q)
+
+    # -------------------------------------------------------- call checks
+    def _check_call(self, x_src: Tensor, x_dst: OptTensor, edge_index: Adj) -> None:
+        """Shapes, dtypes and (with ``check_finite``) finiteness of a call."""
+        if x_src.dim() not in (2, 3):
+            raise ValueError(f"QSVConv expects node features of shape [num_nodes, "
+                             f"channels] or [batch, num_nodes, channels] (a static "
+                             f"graph shared by the batch); got {tuple(x_src.shape)}")
+        _check_float(x_src, "x (source features)")
+        _check_float(x_dst, "x[1] (target features)")
+        if isinstance(edge_index, Tensor) and not is_torch_sparse_tensor(edge_index):
+            check_edge_index(edge_index)
+        if x_dst is not None and x_dst.dim() != x_src.dim():
+            raise ValueError(f"source and target features must have the same number "
+                             f"of dimensions; got {tuple(x_src.shape)} and "
+                             f"{tuple(x_dst.shape)}")
+        if self.check_finite and not is_compiling():
+            _check_finite(x_src, "node features")
+            _check_finite(x_dst if x_dst is not x_src else None, "node features")
+            # An overflowing temperature would turn every weight into NaN.
+            _check_finite(self.log_beta.exp(), "routing temperatures beta (exp(log_beta))")
+
+    def _positions(self, pos, num_src: int, num_dst: int) -> Tuple[OptTensor, OptTensor]:
+        """The checked ``(source, target)`` positions for geometric routing."""
+        if self.routing != "geometric":
+            return None, None
+        if pos is None:
+            raise ValueError("routing='geometric' needs node positions: pass pos")
+        pair = (pos, pos) if isinstance(pos, Tensor) else (pos[0], pos[1])
+        if pair[0] is None or pair[1] is None:
+            raise ValueError("routing='geometric' needs positions of source and "
+                             "target nodes")
+        for t, rows, side in ((pair[0], num_src, "source"), (pair[1], num_dst, "target")):
+            name = f"pos ({side})"
+            _check_float(t, name)
+            if t.dim() != 2:
+                raise ValueError(f"QSVConv: {name} must have shape [num_nodes, dim], "
+                                 f"got {tuple(t.shape)}")
+            if t.size(0) != rows:
+                raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
+                                 f"{rows} {side} nodes")
+            if self.check_finite and not is_compiling():
+                _check_finite(t, f"{side} positions (pos)")
+        return pair
+
+    # ------------------------------------------------------------ the path
+    def choose_path(self, x_src: Tensor, q_src: OptTensor, edge_index: Adj) -> str:
+        """How one call aggregates, one of :data:`PATHS` (:meth:`path_reason`
+        says why).
+
+        Args:
+            x_src: source features ``[N, C]`` or ``[B, N, C]``.
+            q_src: the unit source quaternions (``[N, H, 4]`` shared by a batch,
+                ``[B, N, H, 4]`` per item) or :obj:`None`.
+            edge_index: the adjacency as passed to the layer.
+        """
+        return self.path_reason(x_src, q_src, edge_index)[0]
+
+    def path_reason(self, x_src: Tensor, q_src: OptTensor, edge_index: Adj
+                    ) -> Tuple[str, str]:
+        """:meth:`choose_path`'s path and its reason, in words.
+
+        ``"message_passing"`` (PyG's ``propagate``, the literal softmax) for what
+        the operator does not do: ``dense_path="never"``, sparse adjacencies,
+        attention dropout while training, explainers (PyG's public ``explain``)
+        and PyG's message-passing hooks. Else the operator: ``"attend_per_item"``
+        over ``B`` disjoint copies of the graph when a ``[B, N, C]`` input's
+        routing differs per item (feature quaternions), ``"attend_shared"`` over
+        the graph with one routing for the call (2-D input, or a shared field:
+        the batch rides along as channels). The operator's implementation is
+        :func:`qsv_pyg.nn.qsv_kernel.backend`'s choice.
+        """
+        if self.dense_path == "never":
+            return "message_passing", "dense_path='never'"
+        if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
+            return "message_passing", "a sparse adjacency (SparseTensor or torch.sparse)"
+        if self.training and self.dropout > 0:
+            return "message_passing", "attention dropout while training"
+        if self.explain:
+            return "message_passing", "an explainer (explain=True) reads the messages"
+        for hooks in _PYG_HOOKS:
+            if getattr(self, hooks):
+                return "message_passing", f"a hook of PyG's message passing ({hooks})"
+        if x_src.dim() == 3 and q_src is not None and q_src.dim() == 4:
+            return "attend_per_item", "[B, N, C] input with per-item quaternions"
+        return "attend_shared", "one routing for the call (2-D input or a shared field)"
+
     # ---------------------------------------------------------------- forward
     @overload
     def forward(self, x, edge_index, quat=None, pos=None, size=None,
@@ -337,7 +589,7 @@ class QSVConv(NodeQuaternions, MessagePassing):
             x_dst: OptTensor = x
         else:
             x_src, x_dst = x
-        check_call(self, x_src, x_dst, edge_index)
+        self._check_call(x_src, x_dst, edge_index)
         if isinstance(self.weight, UninitializedParameter):
             self._materialize(x_src.size(-1))
         H, C = self.heads, self.weight.size(1)
@@ -348,18 +600,18 @@ class QSVConv(NodeQuaternions, MessagePassing):
                               or self.transport == "sandwich"):
             raise ValueError("the target nodes' quaternions are needed: pass target "
                              "features x=(x_src, x_dst) or quat=(quat_src, quat_dst)")
-        pos_pair = positions(self, pos, x_src.size(-2), num_dst)
+        pos_pair = self._positions(pos, x_src.size(-2), num_dst)
         if self.add_self_loops:
             edge_index = with_self_loops(edge_index, x_src, x_dst, size)
 
-        path = choose_path(self, x_pad, q_src, edge_index)
+        path = self.choose_path(x_pad, q_src, edge_index)
         if path == "message_passing":
             z, alpha = self._message_passing(x_pad, q_src, q_dst, pos_pair, edge_index,
                                              num_dst)
             z_h, b = z.movedim(-2, 0).reshape(H, -1, C), 0
         else:
-            z_h, alpha, b = attend(self, path, x_pad, q_src, q_dst, pos_pair, edge_index,
-                                   num_dst, bool(return_attention_weights))
+            z_h, alpha, b = self._attend(path, x_pad, q_src, q_dst, pos_pair, edge_index,
+                                         num_dst, bool(return_attention_weights))
         out = self._project(z_h, b, (*x_src.shape[:-2], num_dst))
         if self.lin_skip is not None and x_dst is not None:
             out = out + self.lin_skip(x_dst)
@@ -376,6 +628,20 @@ class QSVConv(NodeQuaternions, MessagePassing):
                 return out, edge_index.set_value(alpha, layout="coo")
         return out
 
+    def _num_dst(self, x_src: Tensor, x_dst: OptTensor, quat, edge_index: Adj,
+                 size: Size) -> int:
+        """The number of target nodes implied by a call's arguments."""
+        if size is not None:
+            return int(size[1])
+        if isinstance(edge_index, SparseTensor) or (
+                isinstance(edge_index, Tensor) and is_torch_sparse_tensor(edge_index)):
+            return int(edge_index.size(0))
+        if x_dst is not None:
+            return x_dst.size(-2)
+        if isinstance(quat, (tuple, list)) and quat[1] is not None:
+            return quat[1].size(-3) if quat[1].dim() >= 3 else quat[1].size(0)
+        return x_src.size(-2)
+
     def _project(self, z_h: Tensor, b: int, lead_out: Tuple[int, ...]) -> Tensor:
         """Per-head output projection of ``z_h [H, M, C]``; rows node-major
         ``(n, b)`` when ``b > 0``, else in the order of ``lead_out``."""
@@ -391,11 +657,65 @@ class QSVConv(NodeQuaternions, MessagePassing):
             proj = proj.reshape(-1, b, width).transpose(0, 1)
         return proj.reshape(*lead_out, width)
 
+    # -------------------------------------------------------------- fast path
+    def _routing_keys(self, q_src: Tensor, q_dst: OptTensor,
+                      pos: Tuple[OptTensor, OptTensor], num_src: int, num_dst: int,
+                      ref: Tensor) -> Tuple[Tensor, Tensor]:
+        """Routing keys ``[*, N, H, D]`` of the operator (``logit = beta *
+        <k_i, k_j>``, :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`)."""
+        if self.routing in ("learned", "abs"):
+            assert q_dst is not None
+            return q_src, q_dst  # Re(q_i* q_j) = <q_i, q_j>
+        if self.routing == "uniform":  # no keys: equal logits, alpha = 1 / deg
+            return ref.new_empty(num_src, self.heads, 0), ref.new_empty(num_dst, self.heads, 0)
+        assert pos[0] is not None and pos[1] is not None
+        return geometric_keys(pos[0], pos[1], self.heads)
+
+    def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
+                pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int,
+                want_alpha: bool = True) -> Tuple[Tensor, Tensor, int]:
+        """Aggregate by the registered operator; returns ``(z_h [H, M, C], alpha,
+        b)``, rows node-major ``(n, b)`` when ``b > 0`` (:meth:`_project`).
+        ``alpha`` is in the order of ``edge_index`` when ``want_alpha``, else in
+        the graph's target-sorted order (not reordered: nobody reads it)."""
+        H = self.heads
+        C = x.size(-1) // H
+        edge_index = plain_edge_index(edge_index)
+        n_src = x.size(-2)
+        k_src, k_dst = self._routing_keys(q_src, q_dst, pos, n_src, num_dst, x)
+        rotate = self.transport == "sandwich"
+        use_abs = self.routing == "abs"
+        B = x.size(0) if x.dim() == 3 else 1
+        if path == "attend_per_item":
+            graph = graph_csr(edge_index, n_src, num_dst, batch=B)
+            v = x.reshape(B * n_src, H, C // 4, 4)
+            assert q_dst is not None or not rotate
+            z, alpha = qsv_attend(v, _flat_batch(q_src, B) if rotate else None,
+                                  _flat_batch(q_dst, B) if rotate else None,
+                                  _flat_batch(k_src, B), _flat_batch(k_dst, B), self.beta,
+                                  graph, use_abs)
+            if want_alpha:
+                alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+            return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
+        graph = graph_csr(edge_index, n_src, num_dst)
+        # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
+        v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(
+            n_src, H, B * C // 4, 4)
+        z, alpha = qsv_attend(v, q_src if rotate else None, q_dst if rotate else None,
+                              k_src, k_dst, self.beta, graph, use_abs)
+        if want_alpha:
+            alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+        z_h = z.view(num_dst, H, B * C).transpose(0, 1).reshape(H, num_dst * B, C)
+        if x.dim() == 3:
+            return z_h, alpha.expand(B, -1, -1), B
+        return z_h, alpha, 0
+
     # ------------------------------------------------------- message passing
     def _message_passing(self, x: Tensor, q_src: Tensor, q_dst: OptTensor,
                          pos: Tuple[OptTensor, OptTensor], edge_index: Adj, num_dst: int
                          ) -> Tuple[Tensor, Tensor]:
-        """PyG's ``propagate``; returns ``z [*, N_dst, H, C]`` and alpha."""
+        """PyG's ``propagate``; returns ``z [*, N_dst, H, C]`` and alpha. A
+        ``[B, N, C]`` batch runs over ``B`` disjoint copies of the graph."""
         H = self.heads
         C = x.size(-1) // H
         rot_src = rot_dst = None
@@ -415,18 +735,23 @@ class QSVConv(NodeQuaternions, MessagePassing):
             alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos, size=size)
             z = self.propagate(edge_index, x=(v, None), alpha=alpha, size=size)
         else:
-            z, alpha = batched_propagate(self, v, q_src, q_dst, pos, edge_index, num_dst)
+            if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
+                raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
+            B, n_src = v.size(0), v.size(1)
+            flat_index = cached_batch_edge_index(edge_index, B, n_src, num_dst)
+            size = (B * n_src, B * num_dst)
+            alpha = self.edge_updater(
+                flat_index, q=(_flat_batch(q_src, B), _flat_batch(q_dst, B)),
+                pos=(_flat_batch(pos[0], B), _flat_batch(pos[1], B)), size=size)
+            z = self.propagate(flat_index, x=(v.reshape(B * n_src, H, C), None),
+                               alpha=alpha, size=size)
+            z, alpha = z.view(B, num_dst, H, C), alpha.view(B, -1, H)
         if rot_dst is not None:
             z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
                                      z.view(*z.shape[:-1], C // 4, 4))
             z = z.reshape(*z.shape[:-2], C)
         return z, alpha
 
-    def _num_dst(self, x_src: Tensor, x_dst: OptTensor, quat, edge_index: Adj,
-                 size: Size) -> int:
-        return num_targets(x_src, x_dst, quat, edge_index, size)
-
-    # ------------------------------------------------------------ scatter path
     def edge_update(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
                     pos_j: OptTensor, index: Tensor, ptr: OptTensor,
                     dim_size: Optional[int]) -> Tensor:
@@ -439,8 +764,7 @@ class QSVConv(NodeQuaternions, MessagePassing):
             logits = -(pos_i - pos_j).pow(2).sum(dim=-1, keepdim=True) * self.beta
         else:
             assert q_i is not None and q_j is not None
-            re_r = (q_i * q_j).sum(dim=-1)  # Re(q_i* q_j) = <q_i, q_j>
-            logits = (re_r.abs() if self.routing == "abs" else re_r) * self.beta
+            logits, _ = routing_logits(q_i, q_j, self.beta, self.routing == "abs")
         if index.numel() == 0:
             return logits
         alpha = softmax(logits, index, ptr, dim_size)

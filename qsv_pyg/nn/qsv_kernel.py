@@ -20,43 +20,87 @@ instead (the forward recomputed by :func:`_forward_torch`, then
 
 ``qsv_pyg::attend`` and ``qsv_pyg::attend_backward`` are registered with
 :func:`torch.library.custom_op` (with fake kernels, autograd and CPU/CUDA
-autocast to float32), so :func:`torch.compile` keeps them in one graph. On CUDA
-they run the fused Triton kernels of :mod:`qsv_pyg.nn.triton_kernel` when Triton
-imports (``QSV_PYG_TRITON=0`` turns them off); on CPU the C++ kernel of
+autocast to float32), so :func:`torch.compile` keeps them in one graph.
+:func:`backend` is the one place that chooses their implementation: on CUDA the
+fused Triton kernels of :mod:`qsv_pyg.nn.triton_kernel` when Triton imports
+(``QSV_PYG_TRITON=0`` turns them off); on CPU the C++ kernel of
 :mod:`qsv_pyg.nn._cpu_ext` when it can be built; elsewhere (and with
 ``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below (gathers and
 ``index_add``), which stays the reference. All are checked against autograd of the
 literal per-edge formula (``tests/test_qsv_kernel.py``,
 ``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` computes
 in float32 whatever the features' dtype (quaternions are never rounded to bf16).
+
+:func:`routing_logits` is the routing logit in Python, shared by the PyTorch
+implementation and :class:`~qsv_pyg.nn.QSVConv`'s message-passing path;
+:func:`geometric_keys` turns distance routing into keys.
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..quaternion import block_matrix_to_quaternion_grad, quaternion_to_block_matrix
+from . import triton_kernel
 from ._cpu_ext import cpu_kernel
 from .csr import GraphCSR
 
 Tensors5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 Tensors6 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
-
-def _ext(v: Tensor):
-    """The C++ module when it applies (CPU, float32/float64), else None."""
-    if v.device.type != "cpu" or v.dtype not in (torch.float32, torch.float64):
-        return None
-    return cpu_kernel()
+#: The implementations of the operator, in the order :func:`backend` tries them.
+BACKENDS = ("triton", "cpp", "torch")
 
 
-def _triton(v: Tensor):
-    """The Triton kernels when they apply (CUDA; CPU too under
-    ``QSV_PYG_TRITON=interpret``), else None (:mod:`.triton_kernel`)."""
-    from . import triton_kernel
-    return triton_kernel if triton_kernel.available(v) else None
+def _implementation(v: Tensor) -> Tuple[str, Optional[ModuleType]]:
+    """:func:`backend` and its module (None for ``"torch"``)."""
+    if triton_kernel.available(v):
+        return "triton", triton_kernel
+    if v.device.type == "cpu" and v.dtype in (torch.float32, torch.float64):
+        ext = cpu_kernel()
+        if ext is not None:
+            return "cpp", ext
+    return "torch", None
+
+
+def backend(v: Tensor) -> str:
+    """The implementation that runs the operator for features like ``v``, one of
+    :data:`BACKENDS`: ``"triton"`` for CUDA tensors when Triton imports (CPU
+    ones too under ``QSV_PYG_TRITON=interpret``; ``QSV_PYG_TRITON=0``: never),
+    ``"cpp"`` for float32/float64 CPU tensors when the C++ kernel is built
+    (``QSV_PYG_CPU_KERNEL=0``: never), else ``"torch"``. Read at every call."""
+    return _implementation(v)[0]
+
+
+def routing_logits(k_dst: Tensor, k_src: Tensor, beta: Tensor,
+                   use_abs: bool) -> Tuple[Tensor, Tensor]:
+    r"""The routing logits :math:`\beta_h \langle k_i, k_j \rangle` of a set of
+    edges (:math:`\beta_h |\langle k_i, k_j \rangle|` with ``use_abs``), and
+    the dot products :math:`\langle k_i, k_j \rangle`.
+
+    With the unit quaternions as keys this is QSV's learned routing,
+    :math:`\langle q_i, q_j \rangle = \mathrm{Re}(q_i^* \otimes q_j)`.
+
+    Args:
+        k_dst, k_src: every edge's target and source keys ``[E, H, D]``
+            (``D = 0``: zero logits, uniform weights).
+        beta: the temperatures ``[H]``.
+    """
+    dot = (k_dst * k_src).sum(-1)
+    return (dot.abs() if use_abs else dot) * beta, dot
+
+
+def geometric_keys(p_src: Tensor, p_dst: Tensor, heads: int) -> Tuple[Tensor, Tensor]:
+    r"""Keys ``[N, heads, D + 1]`` of distance routing: :math:`\langle k_i, k_j
+    \rangle = 2 \langle p_i, p_j \rangle - |p_j|^2 = -|p_i - p_j|^2 + |p_i|^2`,
+    the logit :math:`-\beta |p_i - p_j|^2` up to a per-target constant (which
+    the softmax ignores)."""
+    k_s = torch.cat([p_src, p_src.pow(2).sum(-1, keepdim=True)], dim=-1)
+    k_d = torch.cat([2 * p_dst, -torch.ones_like(p_dst[:, :1])], dim=-1)
+    return k_s.unsqueeze(-2).expand(-1, heads, -1), k_d.unsqueeze(-2).expand(-1, heads, -1)
 
 
 def _rotate(t: Tensor, q: Tensor, transpose: bool) -> Tensor:
@@ -77,8 +121,7 @@ def _outer_grad(q: Tensor, a: Tensor, b: Tensor) -> Tensor:
 def _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate):
     num_dst, E, H = rowptr.numel() - 1, col.numel(), v.size(1)
     src = _rotate(v, qs, False) if rotate else v
-    dot = (kd[row] * ks[col]).sum(-1) if ks.size(-1) else v.new_zeros(E, H)
-    logits = (dot.abs() if use_abs else dot) * beta
+    logits, dot = routing_logits(kd[row], ks[col], beta, use_abs)
     idx = row.view(-1, 1).expand(-1, H)
     mx = logits.new_full((num_dst, H), float("-inf")).scatter_reduce(
         0, idx, logits, "amax", include_self=True)
@@ -123,15 +166,11 @@ def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tens
            row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
     """Forward: ``(z, alpha, u, y, dot)``; ``u``, ``y`` (empty unless
     ``rotate``) and ``dot`` are kept for the backward."""
-    tk = _triton(v)
-    if tk is not None:
-        return tk.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs, rotate)
-    ext = _ext(v)
-    if ext is not None:
-        z, alpha, u, y, dot = ext.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs,
-                                          rotate)
-        return z, alpha, u, y, dot
-    return _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate)
+    _, impl = _implementation(v)
+    if impl is None:
+        return _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate)
+    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs, rotate)
+    return z, alpha, u, y, dot
 
 
 @attend.register_fake
@@ -152,16 +191,15 @@ def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
                     need_k: bool) -> Tensors6:
     """Gradients ``(v, qs, qd, ks, kd, beta)``; empty where not needed."""
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
-    tk = _triton(v)
-    if tk is not None:
-        return tk.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
-                           perm_t, row_t, alpha, u, y, use_abs, rotate, need_v, need_q,
-                           need_k)
-    ext = _ext(v)
-    if ext is not None:
-        out = ext.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
-                           perm_t, row_t, alpha, dot, u, y, use_abs, rotate, need_v,
-                           need_q, need_k)
+    name, impl = _implementation(v)
+    if name == "triton":
+        return triton_kernel.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col,
+                                      rowptr_t, perm_t, row_t, alpha, u, y, use_abs, rotate,
+                                      need_v, need_q, need_k)
+    if impl is not None:  # the C++ kernel also takes the saved dot products
+        out = impl.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
+                            perm_t, row_t, alpha, dot, u, y, use_abs, rotate, need_v,
+                            need_q, need_k)
         return tuple(out)  # type: ignore[return-value]
     gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
         gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y, use_abs, rotate,

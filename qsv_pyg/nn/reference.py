@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..quaternion import conjugate, hamilton_product
-from .graph_args import with_self_loops
+from .csr import with_self_loops
 from .qsv_conv import QSVConv
 
 

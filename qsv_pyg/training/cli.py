@@ -6,7 +6,8 @@ those, so a flag always wins over the preset). ``--resume`` instead takes the
 configuration stored in the checkpoint and accepts only flags that do not
 change what is computed (:func:`~qsv_pyg.training.config.resume_overridable`).
 Every flag but ``--config``, ``--list-presets``, ``--resume`` and ``--debug``
-is generated from the fields of ``TrainConfig``.
+is generated from the fields of ``TrainConfig``, with the old spelling of a
+renamed field as a second flag (``--beta-prior`` = ``--beta-prior-weight``).
 
 Exit codes: 0 success (also when ``--time-budget`` stopped the run), 1 non-finite
 loss, 2 user or environment error (bad flags, missing data, unusable checkpoint
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -29,6 +31,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from qsv_pyg.data import DataError
 from qsv_pyg.models import available_models
 from qsv_pyg.models.graph_net import DEFAULT_HEADS, DEFAULT_WIDTHS, QSV_DEFAULTS
+from qsv_pyg.models.zoo import CONTROL_HEADS, MATCH_TOL
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig, field_kind, flag_of, preset_config
@@ -71,6 +74,9 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kwargs["help"] += ": " + ", ".join(available_models())
     if meta["metavar"]:
         kwargs["metavar"] = meta["metavar"]
+    old_flags = [flag_of(old) for old in meta["aliases"]]  # still accepted
+    if old_flags:
+        kwargs["help"] += f" (old spelling: {', '.join(old_flags)})"
     if kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind is dict:  # model_args: repeatable --model-arg KEY=VALUE
@@ -80,9 +86,17 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kwargs.update(type=float, nargs="+")
     else:
         kwargs["type"] = kind
+        if meta["value_aliases"]:  # an old spelling becomes the value before the choice check
+            kwargs["type"] = functools.partial(_spelling, meta["value_aliases"])
+            kwargs["help"] += " (old spellings: " + ", ".join(
+                f"{old} = {new}" for old, new in meta["value_aliases"].items()) + ")"
         if meta["choices"] is not None:
             kwargs["choices"] = meta["choices"]
-    group.add_argument(flag_of(f.name), **kwargs)
+    group.add_argument(flag_of(f.name), *old_flags, **kwargs)
+
+
+def _spelling(aliases: Dict[str, str], text: str) -> str:
+    return aliases.get(text, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,10 +183,7 @@ def config_from_args(explicit: Dict[str, Any]) -> Tuple[TrainConfig, Optional[st
                           + ", ".join(available_models()))
     model_args = {**cfg.model_args, **explicit.pop("model_args", {})}
     cfg = cfg.replace(**explicit, model_args=model_args)
-    if cfg.model not in available_models():
-        raise ConfigError(f"unknown model {cfg.model!r}; choose one of "
-                          f"{', '.join(available_models())}")
-    return cfg.validate(), None
+    return cfg.validate(), None  # the model name too; train() does not check it again
 
 
 def _print_presets() -> None:
@@ -183,6 +194,10 @@ def _print_presets() -> None:
     qsv = dict(heads=DEFAULT_HEADS, widths=DEFAULT_WIDTHS, **QSV_DEFAULTS)
     print("qsv and lattice models (unless a preset's model_args say otherwise): "
           + ", ".join(f"{k}={v}" for k, v in qsv.items()))
+    print(f"attention-* controls: control_heads={CONTROL_HEADS} (their own), parameter-matched "
+          f"within {MATCH_TOL:.0%} to the qsv model of qsv_heads={DEFAULT_HEADS}, "
+          f"qsv_widths={DEFAULT_WIDTHS} (the shared heads and widths of reproduce.py "
+          "--model-overrides are that QSV model's)")
     for name in sorted(PRESETS):
         values = ", ".join(f"{k}={v}" for k, v in PRESETS[name].items())
         print(f"{name}: {values}")

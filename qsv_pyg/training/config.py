@@ -14,7 +14,17 @@ declaration:
 * :func:`ablation_fields`: the QSV switches and the model keywords they set;
 * :func:`fields_with_role` ``(TABLE)``: what the experiment runner sets per run;
 * :func:`fields_with_role` ``(SHARED)``: what a table's runs must share;
-* :meth:`TrainConfig.validate`: type, choice and range checks.
+* :meth:`TrainConfig.validate`: type, choice and range checks, and the model name
+  (against the registry: the one place it is checked).
+
+One concept, one word: an ablation field, its flag, the model keyword it sets and
+its key in a table row are the same word (``beta_prior_weight``,
+``--beta-prior-weight``); only ``frozen_beta`` sets the negation ``learn_beta``.
+Old names stay accepted (:data:`RENAMED_FIELDS`: as flags, as keys of a stored
+``config.json`` or checkpoint, of :meth:`TrainConfig.replace` and of a table row),
+and so do old spellings of values (``--quat-source both``). Defaults are not
+retyped here: the schedule's come from :data:`~qsv_pyg.training.presets.DEFAULT_SCHEDULE`,
+the models' (shown in the help) from :func:`~qsv_pyg.models.graph_net.graph_net_default`.
 
 A configuration is assembled in three layers, later ones winning::
 
@@ -36,15 +46,24 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from qsv_pyg.data import NUM_CLASSES
 from qsv_pyg.data.cifar import CIFAR_NAMES
+from qsv_pyg.models import available_models
 # The model's option names, so a flag accepts exactly what the model does.
 from qsv_pyg.models.field import FIELD_INITS
-from qsv_pyg.models.graph_net import QUAT_SOURCES
+from qsv_pyg.models.graph_net import DEFAULT_HEADS, QUAT_SOURCES, graph_net_default
+from qsv_pyg.models.zoo import CONTROL_HEADS
 from qsv_pyg.nn.qsv_conv import ROUTINGS, TRANSPORTS
+from qsv_pyg.nn.quat_sources import QUAT_SOURCE_ALIASES
 
 from . import fields as _fields
 from .fields import RESUME, ROW, SHARED, TABLE, ConfigError, flag_of, option
 from .optim import BACKENDS
-from .presets import AUTO_PRESETS, CPU_SCALE_MODEL_ARGS, CPU_SCALE_SCHEDULE, PRESETS
+from .presets import (
+    AUTO_PRESETS,
+    CPU_SCALE_MODEL_ARGS,
+    CPU_SCALE_SCHEDULE,
+    DEFAULT_SCHEDULE,
+    PRESETS,
+)
 from .run_files import write_text
 
 __all__ = [
@@ -57,6 +76,7 @@ __all__ = [
     "OPTIMIZER_BACKENDS",
     "PRESETS",
     "QUAT_SOURCES",
+    "RENAMED_FIELDS",
     "RESUME",
     "ROW",
     "ROUTINGS",
@@ -72,6 +92,7 @@ __all__ = [
     "preset_config",
     "resume_overridable",
     "to_argv",
+    "upgrade_keys",
 ]
 
 AMP_MODES = ("none", "bf16", "fp16")
@@ -85,6 +106,20 @@ _WHAT, _QSV, _OPTIM, _RUNTIME = ("what to train",
                                  "optimisation", "runtime")
 #: Largest seed: torch seeds are 64-bit, and each process adds its rank.
 MAX_SEED = 2**63 - 1
+#: ``--quat-source`` values: GraphNet's sources, without their old spellings
+#: (those are accepted as value aliases).
+_QUAT_SOURCE_CHOICES = tuple(s for s in QUAT_SOURCES if s not in QUAT_SOURCE_ALIASES)
+
+
+def _ablation(help: str, model_key: str, **kwargs: Any) -> Any:
+    """A QSV ablation field (default ``None``: the model's own) that sets the model
+    keyword ``model_key`` (the field's own name, but for ``frozen_beta``).
+
+    ``{default}`` in ``help`` becomes the model's default, read from the model
+    (:func:`~qsv_pyg.models.graph_net.graph_net_default`), never retyped.
+    """
+    text = help.format(default=graph_net_default(model_key)) if "{default}" in help else help
+    return option(None, text, group=_QSV, model_key=model_key, **kwargs)
 
 
 @dataclass
@@ -116,67 +151,68 @@ class TrainConfig:
     test_subset: Optional[int] = option(None, "evaluate on a class-balanced subset of M images",
                                         group=_WHAT, roles=(TABLE, SHARED), lo=1, metavar="M")
     # ---------------------------------------------------------------- QSV ablations
-    routing: Optional[str] = option(None, "attention routing (model default: learned)",
-                                    group=_QSV, choices=ROUTINGS, model_key="routing")
-    transport: Optional[str] = option(None, "message transport (model default: sandwich)",
-                                      group=_QSV, choices=TRANSPORTS, model_key="transport")
-    quat_source: Optional[str] = option(
-        None, "origin of the quaternions (model default: field)", group=_QSV,
-        choices=QUAT_SOURCES, model_key="quat_source")
-    frozen_field: Optional[bool] = option(
-        None, "keep the quaternion fields at their random initialisation", group=_QSV,
-        model_key="frozen_field")
-    field_per_head: Optional[bool] = option(
-        None, "QSV: one field quaternion per node and head (default) or, with "
-        "--no-field-per-head, one per node shared by the heads", group=_QSV,
-        model_key="field_per_head")
-    field_init: Optional[str] = option(
-        None, "initial quaternion field: uniform (Haar-random) or identity", group=_QSV,
-        choices=FIELD_INITS, model_key="field_init")
-    beta_init: Optional[float] = option(None, "initial routing temperature β", group=_QSV,
-                                        lo=0.0, lo_open=True, model_key="beta_init",
-                                        metavar="B")
-    frozen_beta: Optional[bool] = option(None, "do not learn β", group=_QSV,
-                                         model_key="learn_beta", negate=True)
-    beta_prior: Optional[float] = option(
-        None, "weight of the log-β prior (model keyword beta_prior_weight; model default "
-        "0.01, 0 turns it off)", group=_QSV, lo=0.0, model_key="beta_prior_weight",
-        metavar="W")
-    beta_prior_centre: Optional[float] = option(
-        None, "β at the centre of the log-β prior (model default 0.79)", group=_QSV, lo=0.0,
-        lo_open=True, model_key="beta_prior", metavar="B")
-    repulsion_k: Optional[int] = option(None, "neighbours in the field repulsion regulariser",
-                                        group=_QSV, lo=1, model_key="repulsion_k", metavar="K")
-    repulsion_weight: Optional[float] = option(
-        None, "weight of the field repulsion regulariser", group=_QSV, lo=0.0,
-        model_key="repulsion_weight", metavar="W")
-    root_weight: Optional[bool] = option(
-        None, "QSV: add the root weight W_r x_i in every QSVConv (model default); "
-        "--no-root-weight leaves the target's features to the residual", group=_QSV,
-        model_key="root_weight")
-    mlp_ratio: Optional[float] = option(
-        None, "hidden size of every block's MLP relative to its width (any graph model; "
-        "model default 2.0); 0 removes the MLPs", group=_QSV, lo=0.0, model_key="mlp_ratio",
-        metavar="R")
+    routing: Optional[str] = _ablation("attention routing (model default: {default})",
+                                       "routing", choices=ROUTINGS)
+    transport: Optional[str] = _ablation("message transport (model default: {default})",
+                                         "transport", choices=TRANSPORTS)
+    quat_source: Optional[str] = _ablation(
+        "origin of the quaternions (model default: {default})", "quat_source",
+        choices=_QUAT_SOURCE_CHOICES, value_aliases=QUAT_SOURCE_ALIASES)
+    frozen_field: Optional[bool] = _ablation(
+        "keep the quaternion fields at their random initialisation", "frozen_field")
+    field_per_head: Optional[bool] = _ablation(
+        "QSV: one field quaternion per node and head (default) or, with "
+        "--no-field-per-head, one per node shared by the heads", "field_per_head")
+    field_init: Optional[str] = _ablation(
+        "initial quaternion field: uniform (Haar-random) or identity (model default: "
+        "{default})", "field_init", choices=FIELD_INITS)
+    beta_init: Optional[float] = _ablation(
+        "initial routing temperature β (model default: {default})", "beta_init", lo=0.0,
+        lo_open=True, metavar="B")
+    frozen_beta: Optional[bool] = _ablation("do not learn β", "learn_beta", negate=True)
+    beta_prior_weight: Optional[float] = _ablation(
+        "weight of the log-β prior (model default: {default}; 0 turns it off)",
+        "beta_prior_weight", lo=0.0, metavar="W", aliases=("beta_prior",))
+    beta_prior_centre: Optional[float] = _ablation(
+        "β at the centre of the log-β prior (model default: {default})", "beta_prior_centre",
+        lo=0.0, lo_open=True, metavar="B")
+    repulsion_k: Optional[int] = _ablation(
+        "neighbours in the field repulsion regulariser (model default: {default})",
+        "repulsion_k", lo=1, metavar="K")
+    repulsion_weight: Optional[float] = _ablation(
+        "weight of the field repulsion regulariser (model default: {default})",
+        "repulsion_weight", lo=0.0, metavar="W")
+    root_weight: Optional[bool] = _ablation(
+        "QSV: add the root weight W_r x_i in every QSVConv (model default); "
+        "--no-root-weight leaves the target's features to the residual", "root_weight")
+    mlp_ratio: Optional[float] = _ablation(
+        "hidden size of every block's MLP relative to its width (any graph model; "
+        "model default {default}); 0 removes the MLPs", "mlp_ratio", lo=0.0, metavar="R")
     model_args: Dict[str, Any] = option(
-        help="extra model keyword, VALUE parsed as JSON (e.g. widths=[32,32]); repeatable",
+        help="extra model keyword, VALUE parsed as JSON (e.g. widths=[32,32]); repeatable. "
+        f"heads is QSV's head count (qsv and lattice; default {DEFAULT_HEADS}). An attention "
+        "control is parameter-matched to the QSV model of qsv_heads heads and qsv_widths "
+        f"widths (default: qsv's) and has its own control_heads (default {CONTROL_HEADS})",
         group=_QSV, roles=(TABLE,), metavar="KEY=VALUE", factory=dict)
     # ---------------------------------------------------------------- optimisation
-    epochs: int = option(100, "training epochs", group=_OPTIM, roles=(TABLE, SHARED), lo=1)
-    batch_size: int = option(128, "images per step and process", group=_OPTIM,
-                             roles=(TABLE, SHARED), lo=1)
+    epochs: int = option(DEFAULT_SCHEDULE["epochs"], "training epochs", group=_OPTIM,
+                         roles=(TABLE, SHARED), lo=1)
+    batch_size: int = option(DEFAULT_SCHEDULE["batch_size"], "images per step and process",
+                             group=_OPTIM, roles=(TABLE, SHARED), lo=1)
     eval_batch_size: int = option(500, "images per evaluation batch", group=_OPTIM, lo=1)
-    lr: float = option(1e-3, "peak learning rate", group=_OPTIM, roles=(TABLE, SHARED), lo=0.0,
-                       lo_open=True)
-    weight_decay: float = option(0.05, "decoupled weight decay", group=_OPTIM, roles=(SHARED,),
-                                 lo=0.0)
+    lr: float = option(DEFAULT_SCHEDULE["lr"], "peak learning rate", group=_OPTIM,
+                       roles=(TABLE, SHARED), lo=0.0, lo_open=True)
+    weight_decay: float = option(DEFAULT_SCHEDULE["weight_decay"], "decoupled weight decay",
+                                 group=_OPTIM, roles=(SHARED,), lo=0.0)
     warmup_epochs: float = option(
-        5.0, "linear warm-up epochs (fractions allowed; capped at --epochs)", group=_OPTIM,
-        roles=(SHARED,), lo=0.0)
-    min_lr_ratio: float = option(0.0, "final lr / peak lr of the cosine", group=_OPTIM,
+        DEFAULT_SCHEDULE["warmup_epochs"], "linear warm-up epochs (fractions allowed; capped "
+        "at --epochs)", group=_OPTIM, roles=(SHARED,), lo=0.0)
+    min_lr_ratio: float = option(DEFAULT_SCHEDULE["min_lr_ratio"],
+                                 "final lr / peak lr of the cosine", group=_OPTIM,
                                  roles=(SHARED,), lo=0.0, hi=1.0)
-    label_smoothing: float = option(0.1, "label smoothing", group=_OPTIM, roles=(SHARED,),
-                                    lo=0.0, hi=1.0, hi_open=True)
+    label_smoothing: float = option(DEFAULT_SCHEDULE["label_smoothing"], "label smoothing",
+                                    group=_OPTIM, roles=(SHARED,), lo=0.0, hi=1.0,
+                                    hi_open=True)
     optimizer: str = option("auto", "sphere backend for the quaternion fields", group=_OPTIM,
                             choices=OPTIMIZER_BACKENDS)
     # 20: the best of 0.2, 1, 5 and 20 in the field probe of docs/results.md; 1 is
@@ -227,11 +263,17 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "TrainConfig":
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`; reads the ``config.json`` of older runs too.
+
+        Old field names and value spellings are replaced first (:func:`upgrade_keys`:
+        the ``beta_prior`` of a configuration written before issue 21 is the prior's
+        weight, now ``beta_prior_weight``), then fields the configuration predates
+        take their behaviour from before they existed.
 
         Raises:
             ConfigError: ``data`` holds keys that are not fields.
         """
+        data = upgrade_keys(data)
         unknown = sorted(set(data) - set(_FIELDS))
         if unknown:
             raise ConfigError(f"unknown configuration key(s) {unknown}; known: {sorted(_FIELDS)}")
@@ -258,7 +300,9 @@ class TrainConfig:
             return cls.from_json(f.read())
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with ``changes`` applied (unknown names raise :class:`ConfigError`)."""
+        """A copy with ``changes`` applied (old names accepted, :func:`upgrade_keys`;
+        unknown names raise :class:`ConfigError`)."""
+        changes = upgrade_keys(changes)
         unknown = sorted(set(changes) - set(_FIELDS))
         if unknown:
             raise ConfigError(f"unknown configuration key(s) {unknown}")
@@ -303,6 +347,7 @@ class TrainConfig:
         key = str(self.dataset).lower().replace("-", "").replace("_", "")
         self.dataset = key if key in CIFAR_NAMES else self.dataset
         for name, f in _FIELDS.items():
+            setattr(self, name, _spelled_today(name, getattr(self, name)))
             _fields.check_value(f, getattr(self, name))
         _need(isinstance(self.model_args, dict)
               and all(isinstance(k, str) for k in self.model_args),
@@ -316,9 +361,17 @@ class TrainConfig:
         self.eval_at_minutes = sorted(float(m) for m in marks)
         _need(not marks or self.time_budget is not None,
               "--eval-at-minutes needs --time-budget (the marks count on its clock)")
-        _need(bool(self.model), "--model must be a model name")
+        _need(self.model in available_models(), f"unknown model {self.model!r}; choose one of "
+                                                 f"{', '.join(available_models())}")
         _need(bool(self.device), f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        self._validated = self.to_dict()
         return self
+
+    def is_validated(self) -> bool:
+        """Whether :meth:`validate` passed and nothing changed since (a copy made with
+        :func:`copy.deepcopy` keeps this; :meth:`replace` and :meth:`from_dict` do not),
+        so a configuration is checked once on its way to the trainer."""
+        return getattr(self, "_validated", None) == self.to_dict()
 
     @property
     def num_classes(self) -> int:
@@ -329,10 +382,44 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- field queries
 
 _FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: Old field name -> field (issue 21: ``beta_prior`` was the prior's weight). Accepted
+#: as a flag, as a key of a stored configuration, of ``replace()`` and of a table row.
+RENAMED_FIELDS: Dict[str, str] = {old: name for name, f in _FIELDS.items()
+                                  for old in f.metadata["aliases"]}
 #: Values that reproduce the behaviour of configs saved before these fields existed
 #: (``config.json`` from older runs lacks them; their defaults have since changed).
 #: (``tf32``: TF32 was switched on for every CUDA run before it became an option.)
 _BEFORE_FIELD_EXISTED: Dict[str, Any] = {"field_lr_scale": 1.0, "tf32": True}
+
+
+def upgrade_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """``values`` (field name -> value) with old names and old value spellings replaced.
+
+    Old names are those of :data:`RENAMED_FIELDS`; old values those a field lists
+    as ``value_aliases`` (``quat_source`` ``"both"`` -> ``"composed"``). Every old
+    name has one meaning in every configuration ever written, so no format version
+    is needed.
+
+    Example:
+        >>> upgrade_keys({"beta_prior": 0.0, "quat_source": "both"})
+        {'beta_prior_weight': 0.0, 'quat_source': 'composed'}
+
+    Raises:
+        ConfigError: a field given by its old and its new name.
+    """
+    out: Dict[str, Any] = {}
+    for key, value in values.items():
+        name = RENAMED_FIELDS.get(key, key)
+        if name != key and name in values:
+            raise ConfigError(f"{key!r} is the old name of {name!r}; give only {name!r}")
+        out[name] = _spelled_today(name, value)
+    return out
+
+
+def _spelled_today(name: str, value: Any) -> Any:
+    """``value`` of field ``name``, an old spelling of it replaced (``"both"``)."""
+    aliases = _FIELDS[name].metadata["value_aliases"] if name in _FIELDS else {}
+    return aliases.get(value, value) if isinstance(value, str) else value
 
 
 def field_kind(name: str) -> Tuple[type, bool]:

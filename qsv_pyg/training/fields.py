@@ -37,7 +37,8 @@ def option(default: Any = None, help: str = "", *, group: Optional[str],
            roles: Tuple[str, ...] = (), choices: Optional[tuple] = None,
            lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False,
            hi_open: bool = False, model_key: Optional[str] = None, negate: bool = False,
-           metavar: Optional[str] = None, factory=None) -> Any:
+           metavar: Optional[str] = None, factory=None, aliases: Tuple[str, ...] = (),
+           value_aliases: Optional[Mapping[str, str]] = None) -> Any:
     """A configuration field with its description as metadata.
 
     Args:
@@ -48,13 +49,19 @@ def option(default: Any = None, help: str = "", *, group: Optional[str],
         choices: accepted values.
         lo, hi, lo_open, hi_open: accepted range of a number.
         model_key: the model keyword an ablation switch sets (``None`` unless the
-            field is a QSV ablation; ablations are set per run by the runner).
-        negate: the model keyword is the negation (``frozen_beta`` -> ``learn_beta``).
+            field is a QSV ablation; ablations are set per run by the runner). It is
+            the field's own name: one word for the flag, the model keyword and the
+            table-row key.
+        negate: the model keyword is the negation (``frozen_beta`` -> ``learn_beta``),
+            the one field whose model keyword is another word.
         metavar: name of the value in ``--help``.
+        aliases: old names of the field, still accepted: as flags (``--old-name``),
+            as keys of a stored configuration and of a table row.
+        value_aliases: old spellings of values, still accepted (old -> value).
     """
     meta = dict(help=help, group=group, roles=frozenset(roles), choices=choices, lo=lo, hi=hi,
                 lo_open=lo_open, hi_open=hi_open, model_key=model_key, negate=negate,
-                metavar=metavar)
+                metavar=metavar, aliases=tuple(aliases), value_aliases=dict(value_aliases or {}))
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

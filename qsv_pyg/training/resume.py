@@ -33,6 +33,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
 from .config import _BEFORE_FIELD_EXISTED, ConfigError, TrainConfig, flag_of, resume_overridable
+from .config import upgrade_keys
 from .state import LoopState, empty_partial
 
 __all__ = ["budget_so_far", "check_data", "config_for_resume", "data_facts",
@@ -68,8 +69,9 @@ def unrecorded_fields(saved: Dict[str, Any]) -> Tuple[str, ...]:
     with that value as if it had been stored; the others resume at the value given
     now, or today's default, which the checkpoint never fixed. The
     :func:`~qsv_pyg.training.config.resume_overridable` fields are not listed:
-    they may differ anyway.
+    they may differ anyway. Old field names count as the fields they became.
     """
+    saved = upgrade_keys(saved)
     allowed = resume_overridable()
     return tuple(name for name in TrainConfig.describe()
                  if name not in saved and name not in _BEFORE_FIELD_EXISTED
@@ -101,6 +103,7 @@ def config_for_resume(checkpoint: "str | os.PathLike[str]", overrides: Dict[str,
     if not isinstance(saved, dict):
         raise ConfigError(f"{checkpoint}: its configuration is not a dict; the checkpoint is "
                           "damaged")
+    saved = upgrade_keys(saved)  # the names of today's fields
     cfg = TrainConfig.from_dict(saved)  # fields it lacks: their old behaviour, or today's
     unrecorded = unrecorded_fields(saved)
     changed = sorted(k for k, v in overrides.items()

@@ -59,6 +59,7 @@ Stopping early (:mod:`~qsv_pyg.training.stopping`):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -71,13 +72,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from qsv_pyg.data import DeviceLoader
-from qsv_pyg.models import available_models
 from qsv_pyg.nn import QSVConv, _cpu_ext
 from qsv_pyg.utils import cpu_name
 
 from . import stopping
 from .checkpoint import capture_rng_state, save_checkpoint
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .distributed import all_gather_object, all_reduce_max_host, cleanup_distributed
 from .distributed import init_distributed
 from .run_files import LOG_NAME, METRICS_NAME, RunFolderError, append_jsonl, truncate_log
@@ -131,7 +131,9 @@ def train(cfg: TrainConfig, resume_from: "str | os.PathLike[str] | None" = None)
     """Train ``cfg.model`` on ``cfg.dataset`` and return the final metrics.
 
     Args:
-        cfg: the run configuration (validated here).
+        cfg: the run configuration (validated here, unless it comes validated and
+            unchanged, as from :func:`~qsv_pyg.training.cli.config_from_args`;
+            the run works on a private copy).
         resume_from: a checkpoint written by a previous run; its configuration must
             equal ``cfg`` except for the resume-overridable fields (build ``cfg``
             with :func:`~qsv_pyg.training.resume.config_for_resume`).
@@ -146,13 +148,12 @@ def train(cfg: TrainConfig, resume_from: "str | os.PathLike[str] | None" = None)
         NonFiniteLossError: the loss became NaN/inf.
         TrainingInterrupted: Ctrl-C or SIGTERM (after saving a checkpoint).
     """
-    cfg = TrainConfig.from_dict(cfg.to_dict()).validate()  # private copy
+    cfg = copy.deepcopy(cfg)  # private: the run sets its out_dir
+    if not cfg.is_validated():
+        cfg.validate()
     t_start = stopping.wall_clock()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.model not in available_models():
-        raise ConfigError(f"unknown model {cfg.model!r}; choose one of "
-                          f"{', '.join(available_models())}")
     device = resolve_device(cfg.device)
     dist_info = init_distributed(device.type)
     try:

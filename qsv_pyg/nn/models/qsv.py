@@ -13,13 +13,10 @@ from torch_geometric.nn.models.basic_gnn import BasicGNN
 from torch_geometric.typing import Adj, OptTensor
 
 from ..qsv_conv import QSVConv
+from ..quat_sources import QUAT_SOURCES_OF, conv_quat_source, resolve_quat_source
 
 #: Where the model's node quaternions come from (see :class:`QSV`).
-MODEL_QUAT_SOURCES = ("features", "field", "given", "composed")
-
-# What each model-level source asks of every QSVConv layer.
-_CONV_QUAT_SOURCE = {"features": "features", "field": "given", "given": "given",
-                     "composed": "composed"}
+MODEL_QUAT_SOURCES = QUAT_SOURCES_OF["QSV"]
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -50,7 +47,8 @@ class QSV(BasicGNN):
         out_channels (int, optional): If set, the last layer (or, with ``jk``,
             a final linear map) outputs this many channels.
             (default: :obj:`None`)
-        quat_source (str, optional): Where the node quaternions come from.
+        quat_source (str, optional): Where the node quaternions come from
+            (``QUAT_SOURCES_OF["QSV"]`` of :mod:`qsv_pyg.nn.quat_sources`).
             ``"features"``: every layer maps its input features to quaternions
             (inductive; any graph). ``"field"``: one learned quaternion per node
             and head, shared by the layers (transductive: needs ``num_nodes``
@@ -107,9 +105,7 @@ class QSV(BasicGNN):
         attention_dropout: Optional[float] = None,
         **kwargs,
     ):
-        if quat_source not in MODEL_QUAT_SOURCES:
-            raise ValueError(f"quat_source={quat_source!r} is not supported; choose one "
-                             f"of {', '.join(repr(s) for s in MODEL_QUAT_SOURCES)}")
+        quat_source = resolve_quat_source(quat_source, "QSV")
         if isinstance(in_channels, (tuple, list)):
             raise ValueError("QSV takes an int in_channels; for bipartite graphs use "
                              "QSVConv directly")
@@ -156,7 +152,7 @@ class QSV(BasicGNN):
         if concat:
             out_channels = out_channels // heads
         return QSVConv(in_channels, out_channels, heads=heads, concat=concat,
-                       quat_source=_CONV_QUAT_SOURCE[self.quat_source], **kwargs)
+                       quat_source=conv_quat_source(self.quat_source), **kwargs)
 
     def _reset_field(self) -> None:
         if self.quat_field is not None:
