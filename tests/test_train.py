@@ -407,15 +407,24 @@ def test_torchrun_two_processes_gloo(data_dir, tmp_path):
            str(REPO / "examples" / "train_cifar.py"),
            *base_args(data_dir, out, "--batch-size", "8", "--routing", "uniform", model=TINY_QSV)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
-    output = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    # Its own session, so a timeout kills torchrun's workers too (killing torchrun
+    # alone would leave them waiting on each other for ever).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 300 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    output = f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
     assert proc.returncode == 0, output
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["epochs"] == 2, metrics
     assert metrics["steps"] == 2 * (N_TRAIN // 2 // 8), metrics  # 32 images per rank and epoch
     assert 0.0 <= metrics["test_acc"] <= 1.0 and metrics["test_images"] == N_TEST, metrics
     assert [line["epoch"] for line in read_log(out)] == [1, 2]  # rank 0 only, once per epoch
-    assert proc.stdout.count("done: test acc") == 1, output
+    assert stdout.count("done: test acc") == 1, output
     state = load_checkpoint(out / "checkpoint.pt")
     assert state["world_size"] == 2 and len(state["rng"]) == 2
 
