@@ -17,13 +17,12 @@ report of :func:`~qsv_pyg.experiments.report.write_report`:
 """
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from qsv_pyg.training.run_files import atomic_write, write_text
+from qsv_pyg.training.run_files import write_csv, write_text
 
 from .figures import _figure, save_figure
 from .tables import BLOCK, BLOCK_KERNELS, BLOCK_VARIANTS, block_slug
@@ -212,12 +211,7 @@ def write_block_report(summary: Dict[str, Any], folder: "str | Path") -> Dict[st
     paths = {name: folder / name for name in BLOCK_FILES}
     write_text(paths["block_costs.md"], format_block_markdown(costs))
 
-    def write_csv(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(_csv_rows(costs))
-
-    atomic_write(paths["block_costs.csv"], write_csv)
+    write_csv(paths["block_costs.csv"], _CSV_FIELDS, _csv_rows(costs))
     # Strict JSON: every number here is a difference of finite accuracies.
     write_text(paths["block_costs.json"], json.dumps(costs, indent=2, allow_nan=False) + "\n")
     plot_block_costs(costs, paths["block_costs.png"])

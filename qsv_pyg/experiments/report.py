@@ -29,7 +29,6 @@ is strict JSON: a number that is not finite is written as ``null``.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -45,8 +44,8 @@ from qsv_pyg.training.run_files import (
     CONFIG_NAME,
     LOG_NAME,
     METRICS_NAME,
-    atomic_write,
     read_log,
+    write_csv,
     write_text,
 )
 
@@ -73,14 +72,10 @@ def _show(value: Any) -> str:
     """A value of a run file as a warning shows it (as JSON would write it)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, list):
-        return "a JSON list"
-    if isinstance(value, dict):
-        return "a JSON object"
-    if value is None:
-        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value is None or isinstance(value, (list, dict)):
+        return "null" if value is None else _json_kind(value)
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -106,6 +101,8 @@ def _load(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
 def _json_kind(value: Any) -> str:
     if isinstance(value, list):
         return "a JSON list"
+    if isinstance(value, dict):
+        return "a JSON object"
     if isinstance(value, str):
         return "a JSON string"
     if value is None:
@@ -728,12 +725,7 @@ def write_report(table: Table, root: "str | Path", rows: Optional[Sequence[str]]
     paths = {name: folder / name for name in REPORT_FILES}
     write_text(paths["table.md"], format_markdown(summary))
 
-    def write_csv(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(_csv_rows(summary))
-
-    atomic_write(paths["table.csv"], write_csv)
+    write_csv(paths["table.csv"], _CSV_FIELDS, _csv_rows(summary))
     public = dict(summary, rows=[{k: v for k, v in e.items() if not k.startswith("_")}
                                  for e in summary["rows"]])
     write_text(paths["results.json"], _strict_json(public))

@@ -27,13 +27,14 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import json
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional, Union
+from typing import IO, Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 try:
     import resource
@@ -203,6 +204,16 @@ def _first_line(err: BaseException) -> str:
 def write_text(path: PathLike, text: str) -> None:
     """Atomically write ``text`` (UTF-8) to ``path`` (see :func:`atomic_write`)."""
     atomic_write(path, lambda f: f.write(text))
+
+
+def write_csv(path: PathLike, fieldnames: Sequence[str], rows: Iterable[Dict[str, Any]]) -> None:
+    """Write ``rows`` (dicts keyed by ``fieldnames``) as a CSV file with a header, atomically."""
+    def write(f: IO) -> None:
+        writer = csv.DictWriter(f, fieldnames=list(fieldnames))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    atomic_write(path, write)
 
 
 def write_json(path: PathLike, data: Any) -> None:
