@@ -39,11 +39,11 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def args(table: str, data_dir: Path, root: Path, *extra: str, budget: str = "1",
-         overrides=TINY) -> list:
+         overrides=TINY, train_args: str = "--warmup-epochs 0") -> list:
     return ["--table", table, "--data-dir", str(data_dir), "--out-root", str(root),
             "--budget-minutes", budget, "--seeds", "0", "--epochs", "1", "--batch-size", "8",
             "--device", "cpu", "--no-progress", "--model-overrides", json.dumps(overrides),
-            "--train-args", "--warmup-epochs 0", *extra]
+            "--train-args", train_args, *extra]
 
 
 def assert_report(folder: Path, labels) -> dict:
@@ -109,7 +109,10 @@ def test_model_overrides_are_translated_per_model():
 
 def test_ablations_run_report_and_reuse(data_dir, tmp_path, monkeypatch, capsys):
     rows = ["full", "transport-identity", "routing-uniform"]
-    argv = args("ablations", data_dir, tmp_path, "--rows", *rows, "--launcher", "in-process")
+    # A CPU-time budget: on starved cores a wall-clock minute could end a run before its
+    # first epoch (seen twice with two study runs holding both cores).
+    argv = args("ablations", data_dir, tmp_path, "--rows", *rows, "--launcher", "in-process",
+                train_args="--warmup-epochs 0 --budget-clock process")
     assert main(argv) == 0
     labels = [ABLATIONS.row(r).label for r in rows]
     results = assert_report(tmp_path / "ablations", labels)
