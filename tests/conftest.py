@@ -101,3 +101,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models: on two shared cores intra-op threads
+    only add contention. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def impl(request, monkeypatch):
+    """Run a test with the C++ CPU kernel and with the PyTorch path."""
+    import qsv_pyg.nn._cpu_ext as cpu_ext
+
+    if request.param == "torch":
+        monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "0")
+    elif cpu_ext.cpu_kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    return request.param

@@ -18,12 +18,7 @@ SMALL = dict(shell_sizes=(64, 36, 16, 9, 4), k_cross=4, k_inner=3, heads=2,
              widths=(16, 16, 24, 24, 32))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, shared cores
 
 
 def _model(**kw):

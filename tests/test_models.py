@@ -44,13 +44,7 @@ SMALL = {
 CONTROLS = ("attention-gat", "attention-gatv2", "attention-transformer")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on two shared cores: intra-op threads only add contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, shared cores
 
 
 @pytest.fixture

@@ -210,12 +210,7 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on shared cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, shared cores
 
 
 def _run(model: str, data_dir: Path, out: Path, device: str, stack: contextlib.ExitStack,

@@ -25,14 +25,7 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def impl(request, monkeypatch):
-    """Run a test with the C++ CPU kernel and with the PyTorch path."""
-    if request.param == "torch":
-        monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "0")
-    elif cpu_ext.cpu_kernel() is None:
-        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
-    return request.param
+# `impl` (C++ kernel / PyTorch path) is a shared fixture of tests/conftest.py.
 
 
 # ------------------------------------------------------------- block matrix

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.func import functional_call
 
-import qsv_pyg.nn._cpu_ext as cpu_ext
 from qsv_pyg.nn import QSVConv, graph_csr, qsv_attend, unit_quaternion
 from qsv_pyg.nn.dispatch import choose_path
 from qsv_pyg.quaternion import random_unit_quaternion
@@ -35,14 +34,7 @@ def knn_like(n: int = N, k: int = 2) -> torch.Tensor:
     return torch.stack([src.reshape(-1), torch.arange(n).repeat_interleave(k)])
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def impl(request, monkeypatch):
-    """The fast path with the C++ CPU kernel and with the PyTorch one."""
-    if request.param == "torch":
-        monkeypatch.setenv("QSV_PYG_CPU_KERNEL", "0")
-    elif cpu_ext.cpu_kernel() is None:
-        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
-    return request.param
+# `impl` (C++ kernel / PyTorch path) is a shared fixture of tests/conftest.py.
 
 
 # ------------------------------------------------------------ unit_quaternion
