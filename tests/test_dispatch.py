@@ -33,11 +33,15 @@ def test_batch_with_per_item_quaternions_uses_graph_copies():
     assert call(conv, torch.randn(5, 3, 8), torch.randn(5, 3, 2, 4)) == "attend_per_item"
 
 
-def test_dropout_only_while_training_needs_message_passing():
+def test_attention_dropout_takes_the_fast_path():
+    """Dropout while training runs on the operator (a per-edge mask); a [B, N, C]
+    batch then takes the per-item copies, so every item draws its own mask."""
     conv = QSVConv(8, 4, heads=2, dropout=0.3)
     x, q = torch.randn(3, 8), torch.randn(3, 2, 4)
-    assert call(conv.train(), x, q) == "message_passing"
+    assert call(conv.train(), x, q) == "attend_shared"
     assert call(conv.eval(), x, q) == "attend_shared"
+    assert call(conv.train(), torch.randn(5, 3, 8), q) == "attend_per_item"
+    assert call(conv.eval(), torch.randn(5, 3, 8), q) == "attend_shared"
 
 
 def test_never_forces_message_passing_and_always_is_auto():
@@ -86,7 +90,8 @@ def test_the_reasons_are_named():
     x, ei = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2]])
     assert QSVConv(8, 4, dense_path="never").path_reason(x, None, ei) == \
         ("message_passing", "dense_path='never'")
-    assert "dropout" in QSVConv(8, 4, dropout=0.5).train().path_reason(x, None, ei)[1]
+    assert "dropout" in QSVConv(8, 4, dropout=0.5).train().path_reason(
+        torch.randn(2, 3, 8), None, ei)[1]
     conv = QSVConv(8, 4)
     conv.explain = True
     assert "explain" in conv.path_reason(x, None, ei)[1]

@@ -979,3 +979,115 @@ def test_compiled_graph_calls_the_registered_operator(batched, random_graph):
     compiled = torch.compile(conv, fullgraph=True, backend=backend)
     close(compiled(x, random_graph.edge_index, quat=q), conv(x, random_graph.edge_index, quat=q))
     assert torch.ops.qsv_pyg.attend.default in targets or torch.ops.qsv_pyg.attend in targets
+
+
+# ------------------------------------------- attention dropout on the fast path
+def test_dropout_fast_path_uses_the_returned_weights(random_graph, monkeypatch):
+    """Training with attention dropout stays on the operator, and its output is the
+    weighted sum of the (dropped, rescaled) weights it returns."""
+    conv = make_conv(8, 8, 1, transport="identity", dropout=0.4).train()
+    fast = spy_fast(conv, monkeypatch)
+    x, quat, _ = inputs(random_graph.num_nodes, 8, 1, seed=41)
+    ei = random_graph.edge_index
+    torch.manual_seed(3)
+    out, (ei_out, alpha) = conv(x, ei, quat=quat, return_attention_weights=True)
+    assert fast == ["attend_shared"]
+    dropped = alpha == 0
+    assert 0.2 < dropped.float().mean() < 0.6
+    kept = alpha[~dropped]
+    assert torch.isclose(kept.max(), kept.max())  # finite
+    z = torch.zeros(random_graph.num_nodes, 8).index_add_(0, ei_out[1], alpha * x[ei_out[0]])
+    want = z @ conv.weight[0] + conv.lin_skip(x) + conv.bias
+    close(out, want)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dropout_fast_path_is_unbiased(transport, knn_graph):
+    """The mean output over many dropout masks is the output without dropout."""
+    conv = make_conv(8, 4, 2, transport=transport, dropout=0.5, dtype=torch.float64)
+    x, _, _ = inputs(knn_graph.num_nodes, 8, 2, dtype=torch.float64, seed=42)
+    with torch.no_grad():
+        want = conv.eval()(x, knn_graph.edge_index)
+        conv.train()
+        torch.manual_seed(0)
+        mean = sum(conv(x, knn_graph.edge_index) for _ in range(3000)) / 3000
+    assert (mean - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_dropout_fast_path_gradients(random_graph):
+    """gradcheck of a training forward with a fixed mask (the seed is reset per call)."""
+    conv = make_conv(8, 3, 2, dropout=0.3, dtype=torch.float64).train()
+    x, _, _ = inputs(random_graph.num_nodes, 8, 2, dtype=torch.float64, seed=43)
+    x.requires_grad_(True)
+
+    def f(x):
+        torch.manual_seed(7)
+        return conv(x, random_graph.edge_index)
+
+    assert torch.autograd.gradcheck(f, (x, ), eps=1e-6, atol=1e-5)
+    torch.manual_seed(7)
+    conv(x, random_graph.edge_index).sum().backward()
+    assert conv.weight.grad is not None and conv.log_beta.grad is not None
+
+
+# ------------------------------------------------------------- project_input
+def test_project_input_parameters_and_shapes(random_graph):
+    """P: in -> heads * C (C = out rounded up to 4), the quaternion map reads P x,
+    the per-head weight is C x out, the root weight reads the raw features."""
+    conv = QSVConv(1433, 7, heads=8, project_input=True)
+    c = 8
+    want = (1433 * 8 * c             # P
+            + 8 * c * 8 * 4 + 8 * 4  # quaternion map on P x (+ bias)
+            + 8 * c * 7              # W_h
+            + 1433 * 8 * 7           # root weight
+            + 8 * 7 + 8)             # bias, log_beta
+    assert sum(p.numel() for p in conv.parameters()) == want
+    assert conv.lin_proj.in_channels == 1433 and conv.lin_quat.in_channels == 8 * c
+    assert conv.weight.shape == (8, c, 7)
+    assert "project_input=True" in repr(conv)
+    x = torch.randn(random_graph.num_nodes, 1433)
+    out = conv(x, random_graph.edge_index)
+    assert out.shape == (random_graph.num_nodes, 56)
+    out.sum().backward()
+    assert conv.lin_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_project_input_fast_path_matches_message_passing(routing, knn_graph):
+    conv = make_conv(10, 6, 2, routing=routing, project_input=True, dtype=torch.float64)
+    x, _, pos = inputs(knn_graph.num_nodes, 10, 2, dtype=torch.float64, seed=44)
+    fast = conv(x, knn_graph.edge_index, pos=pos)
+    conv.dense_path = "never"
+    close(fast, conv(x, knn_graph.edge_index, pos=pos), torch.float64)
+    # It is the plain layer applied to P x (with the root weight on the raw x).
+    plain = make_conv(16, 6, 2, routing=routing, dtype=torch.float64, root_weight=False)
+    with torch.no_grad():
+        plain.lin_quat.load_state_dict(conv.lin_quat.state_dict())
+        plain.weight.copy_(conv.weight)
+        plain.log_beta.copy_(conv.log_beta)
+        plain.bias.copy_(conv.bias)
+    px = conv.lin_proj(x)
+    close(fast, plain(px, knn_graph.edge_index, pos=pos) + conv.lin_skip(x), torch.float64)
+
+
+def test_project_input_bipartite_and_lazy(make_random_graph):
+    ei = make_random_graph(6, 10, seed=5, num_dst=4)
+    conv = QSVConv((16, 8), 5, heads=2, project_input=True)
+    assert conv.lin_proj is None and conv.lin_proj_src.in_channels == 16
+    out = conv((torch.randn(6, 16), torch.randn(4, 8)), ei)
+    assert out.shape == (4, 10)
+    lazy = QSVConv(-1, 5, heads=2, project_input=True)
+    assert lazy(torch.randn(6, 12), make_random_graph(6, 10, seed=6)).shape == (6, 10)
+    state = lazy.state_dict()
+    again = QSVConv(-1, 5, heads=2, project_input=True)
+    again.load_state_dict(state)
+    assert again.lin_proj.weight.shape == (16, 12)  # heads * C = 2 * 8
+
+
+def test_qsv_model_takes_project_input(random_graph):
+    from qsv_pyg.nn.models import QSV
+    model = QSV(1433, 64, 2, 7, heads=8, project_input=True, add_self_loops=True,
+                root_weight=False)
+    assert all(conv.project_input for conv in model.convs)
+    out = model(torch.randn(random_graph.num_nodes, 1433), random_graph.edge_index)
+    assert out.shape == (random_graph.num_nodes, 7)

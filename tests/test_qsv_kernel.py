@@ -67,9 +67,11 @@ def random_graph(n_src, n_dst, num_edges, seed, isolated=(0, )):
     return torch.stack([src, dst])
 
 
-def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs):
+def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs, scale=None):
     """Per edge, from the definition: logit beta <k_i, k_j>, softmax over each
-    target's edges, message Q_i^T Q_j v_j (r = q_i* q_j sandwich), sum."""
+    target's edges, message Q_i^T Q_j v_j (r = q_i* q_j sandwich), sum; with
+    ``scale`` ``[E, H]`` (edge order) each message is also scaled by it (the
+    returned weights are not)."""
     src, dst = edge_index
     d = (k_dst[dst] * k_src[src]).sum(-1)
     logit = beta * (d.abs() if use_abs else d)
@@ -82,7 +84,8 @@ def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs):
     if q_src is not None:
         r = hamilton_product(conjugate(q_dst[dst]), q_src[src])
         msg = rotate(r.unsqueeze(-2), msg)
-    z = v.new_zeros(num_dst, *v.shape[1:]).index_add(0, dst, alpha[..., None, None] * msg)
+    w = alpha if scale is None else alpha * scale
+    z = v.new_zeros(num_dst, *v.shape[1:]).index_add(0, dst, w[..., None, None] * msg)
     return z, alpha
 
 
@@ -174,8 +177,8 @@ def test_opcheck(impl):
         empty = v.new_empty(0, H, 4)
         args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
                 empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
-                k_d.requires_grad_(), beta.requires_grad_(), g.rowptr, g.col, g.row,
-                g.rowptr_t, g.perm_t, g.row_t, False, rotate)
+                k_d.requires_grad_(), beta.requires_grad_(), v.new_empty(0), g.rowptr, g.col,
+                g.row, g.rowptr_t, g.perm_t, g.row_t, False, rotate)
         torch.library.opcheck(attend, args)
 
 
@@ -198,11 +201,200 @@ def test_double_backward_matches_literal_formula(impl):
         torch.testing.assert_close(a, b, **TOL[torch.float64])
 
 
+# ------------------------------------------------ per-edge scale (attention dropout)
+def dropout_scale(num_edges, H, p, seed, dtype=torch.float64):
+    """An attention-dropout scale ``[E, H]``: 0 with probability ``p``, else 1/(1-p)."""
+    keep = torch.rand(num_edges, H, generator=gen(seed)) >= p
+    return keep.to(dtype) / (1 - p)
+
+
+def general_scale(num_edges, H, seed, dtype=torch.float64):
+    """Any real values: negative, zero, large."""
+    s = 2 * torch.randn(num_edges, H, generator=gen(seed), dtype=dtype)
+    s[::5] = 0
+    return s
+
+
+def scaled_results(inputs, ei, graph, n_dst, use_abs, scale, seed, **kw):
+    """``(got, want)``: z, alpha (edge order) and the gradients of every input
+    for a random cotangent of both, by :func:`qsv_attend` with ``edge_scale``
+    (``scale`` in edge order, handed over in the graph's target-sorted order)
+    and by autograd of :func:`literal` with the scale."""
+    ref_ins = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    op_ins = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    z_ref, a_ref = literal(*ref_ins, ei, n_dst, use_abs, scale=scale)
+    gz = torch.randn(z_ref.shape, generator=gen(seed), dtype=z_ref.dtype)
+    ga = torch.randn(a_ref.shape, generator=gen(seed + 1), dtype=z_ref.dtype)
+    params = [t for t in ref_ins if t is not None]
+    want = [z_ref, a_ref, *torch.autograd.grad((z_ref * gz).sum() + (a_ref * ga).sum(), params,
+                                               materialize_grads=True)]
+    sorted_scale = None if scale is None else scale[graph.perm]
+    z, alpha = qsv_attend(*op_ins, graph, use_abs, edge_scale=sorted_scale, **kw)
+    alpha = in_edge_order(alpha, graph)
+    got = [z, alpha, *torch.autograd.grad((z * gz).sum() + (alpha * ga).sum(),
+                                          [t for t in op_ins if t is not None],
+                                          materialize_grads=True)]
+    return [t.detach() for t in got], [t.detach() for t in want]
+
+
+def assert_results_close(got, want, **tol):
+    names = ["z", "alpha", "grad v", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"]
+    assert len(got) == len(want)
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+SCALE_VARIANTS = {  # name: (key dim D, use_abs, rotate)
+    "learned": (4, False, True),
+    "abs": (4, True, True),
+    "uniform": (0, False, True),
+    "no-transport": (4, False, False),
+    "uniform-no-transport": (0, False, False),
+}
+SCALE_GRAPHS = {"isolated": (9, 9, 30, (0, 4)), "bipartite": (10, 6, 24, (0, ))}
+
+
+@pytest.mark.parametrize("scale_kind", ["dropout", "general"])
+@pytest.mark.parametrize("graph_kind", list(SCALE_GRAPHS))
+@pytest.mark.parametrize("variant", list(SCALE_VARIANTS))
+def test_edge_scale_matches_literal_formula(variant, graph_kind, scale_kind, impl):
+    """y_i = sum_j alpha_ij s_ij u_j: z, the (unscaled) weights and the gradients
+    of v, both quaternions, both keys and beta, against autograd of the literal
+    per-edge formula; isolated targets stay zero."""
+    D, use_abs, rot = SCALE_VARIANTS[variant]
+    n_src, n_dst, num_edges, isolated = SCALE_GRAPHS[graph_kind]
+    H, M = 2, 2
+    ei = random_graph(n_src, n_dst, num_edges, seed=60, isolated=isolated)
+    graph = graph_csr(ei, n_src, n_dst)
+    inputs = operator_inputs(n_src, n_dst, H, M, D, torch.float64, seed=61, rotate=rot)
+    scale = dropout_scale(num_edges, H, 0.4, seed=62) if scale_kind == "dropout" else \
+        general_scale(num_edges, H, seed=62)
+    got, want = scaled_results(inputs, ei, graph, n_dst, use_abs, scale, seed=63)
+    assert_results_close(got, want, **TOL[torch.float64])
+    for i in isolated:
+        assert torch.equal(got[0][i], torch.zeros_like(got[0][i]))
+
+
+@pytest.mark.parametrize("variant", ["learned", "no-transport"])
+def test_edge_scale_float32(variant, impl):
+    D, use_abs, rot = SCALE_VARIANTS[variant]
+    n, H, M = 10, 3, 2
+    ei = random_graph(n, n, 36, seed=64)
+    graph = graph_csr(ei, n, n)
+    inputs = operator_inputs(n, n, H, M, D, torch.float32, seed=65, rotate=rot)
+    scale = dropout_scale(36, H, 0.3, seed=66, dtype=torch.float32)
+    got, want = scaled_results(inputs, ei, graph, n, use_abs, scale, seed=67)
+    assert_results_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("variant", ["learned", "uniform-no-transport"])
+def test_edge_scale_of_ones_is_no_scale(variant, impl):
+    D, use_abs, rot = SCALE_VARIANTS[variant]
+    n_src, n_dst, H, M = 9, 7, 2, 2
+    ei = random_graph(n_src, n_dst, 25, seed=68)
+    graph = graph_csr(ei, n_src, n_dst)
+    inputs = operator_inputs(n_src, n_dst, H, M, D, torch.float64, seed=69, rotate=rot)
+    ones, _ = scaled_results(inputs, ei, graph, n_dst, use_abs,
+                             torch.ones(25, H, dtype=torch.float64), seed=70)
+    none, _ = scaled_results(inputs, ei, graph, n_dst, use_abs, None, seed=70)
+    assert_results_close(ones, none, rtol=1e-13, atol=1e-13)
+
+
+def test_operator_scale_input(impl):
+    """The scale is the operator's 7th input; an empty one means none (the layer's
+    eval path), a wrongly shaped one is refused by the operator itself."""
+    n, H = 6, 2
+    g = graph_csr(random_graph(n, n, 14, seed=71), n, n)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n, n, H, 1, 4, torch.float64, seed=72)
+    graph_args = (g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t, False, True)
+    z0 = attend(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), *graph_args)[0]
+    z1 = attend(v, q_s, q_d, k_s, k_d, beta, v.new_ones(14, H), *graph_args)[0]
+    torch.testing.assert_close(z0, z1, rtol=1e-13, atol=1e-13)
+    zero = attend(v, q_s, q_d, k_s, k_d, beta, v.new_zeros(14, H), *graph_args)
+    assert torch.equal(zero[0], torch.zeros_like(zero[0]))
+    torch.testing.assert_close(zero[1], attend(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0),
+                                               *graph_args)[1])  # alpha unscaled
+    with pytest.raises(RuntimeError, match="scale \\(14, 1\\) must be empty or \\[E, H\\]"):
+        attend(v, q_s, q_d, k_s, k_d, beta, v.new_ones(14, 1), *graph_args)
+
+
+def test_opcheck_with_edge_scale(impl):
+    n_src, n_dst, H, M = 8, 5, 2, 3
+    ei = random_graph(n_src, n_dst, 20, seed=73)
+    g = graph_csr(ei, n_src, n_dst)
+    for keys, rotate in ((4, True), (0, False)):
+        v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys,
+                                                      torch.float64, seed=74, rotate=rotate)
+        empty = v.new_empty(0, H, 4)
+        scale = dropout_scale(20, H, 0.5, seed=75)
+        args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
+                empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
+                k_d.requires_grad_(), beta.requires_grad_(), scale, g.rowptr, g.col, g.row,
+                g.rowptr_t, g.perm_t, g.row_t, True, rotate)
+        torch.library.opcheck(attend, args)
+
+
+@pytest.mark.parametrize("keys,rotate", [(4, True), (0, False)], ids=["learned", "plain"])
+def test_edge_scale_gradgradcheck(keys, rotate, impl):
+    """Second derivatives with a scale (create_graph=True: the PyTorch formulas
+    with the scale as a constant), float64."""
+    n_src, n_dst, H, M = 6, 5, 2, 1
+    ei = random_graph(n_src, n_dst, 14, seed=76)
+    graph = graph_csr(ei, n_src, n_dst)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys, torch.float64,
+                                                  seed=77, rotate=rotate)
+    scale = general_scale(14, H, seed=78)[graph.perm]
+    ps = [t.requires_grad_() for t in (v, q_s, q_d, k_s, k_d, beta) if t is not None]
+
+    def f(*ts):
+        it = iter(ts)
+        v_ = next(it)
+        qs_, qd_ = (unit_quaternion(next(it)), unit_quaternion(next(it))) if rotate \
+            else (None, None)
+        return qsv_attend(v_, qs_, qd_, next(it), next(it), next(it), graph,
+                          edge_scale=scale)
+
+    assert torch.autograd.gradcheck(f, tuple(ps), fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, tuple(ps), fast_mode=True)
+
+
+def test_edge_scale_gets_no_gradient(impl):
+    n, H = 6, 1
+    graph = graph_csr(random_graph(n, n, 12, seed=79), n, n)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n, n, H, 1, 4, torch.float64, seed=80)
+    v.requires_grad_()
+    scale = torch.rand(12, H, dtype=torch.float64, requires_grad=True)
+    z, _ = qsv_attend(v, q_s, q_d, k_s, k_d, beta, graph, edge_scale=scale)
+    gv, gs = torch.autograd.grad(z.sum(), (v, scale), allow_unused=True)
+    assert gs is None and gv is not None
+
+
+def test_edge_scale_under_cpu_autocast():
+    n, H = 10, 2
+    graph = graph_csr(random_graph(n, n, 30, seed=81), n, n)
+    v = torch.randn(n, H, 2, 4, generator=gen(82))
+    q = random_unit_quaternion(n, H, generator=gen(83))
+    scale = dropout_scale(30, H, 0.5, seed=84, dtype=torch.float32)
+    ref, _ = qsv_attend(v, q, q, q, q, torch.ones(H), graph, edge_scale=scale)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z, alpha = qsv_attend(v.bfloat16(), q, q, q, q, torch.ones(H), graph,
+                              edge_scale=scale.bfloat16())
+    assert z.dtype == alpha.dtype == torch.float32
+    torch.testing.assert_close(z, ref, atol=0.05, rtol=0.05)
+
+
+SCALE_SHAPE = "must be \\[E, H\\] = \\[10, 2\\]"
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(v=torch.randn(6, 2, 3)), "v .* must be \\[N_src, H, M, 4\\]"),
     (dict(q_src=torch.randn(6, 3, 4)), "quaternions must be \\[6, 2, 4\\]"),
     (dict(k_dst=torch.randn(5, 2, 3)), "keys"),
     (dict(beta=torch.ones(3)), "beta .* must be \\[2\\]"),
+    (dict(edge_scale=torch.ones(9, 2)), "edge_scale \\(9, 2\\) " + SCALE_SHAPE),
+    (dict(edge_scale=torch.ones(10, 3)), SCALE_SHAPE),
+    (dict(edge_scale=torch.ones(10)), SCALE_SHAPE),
+    (dict(edge_scale=torch.ones(10, 2, 1)), SCALE_SHAPE),
 ])
 def test_shape_errors(bad, match):
     graph = graph_csr(random_graph(6, 6, 10, seed=8), 6, 6)
@@ -359,4 +551,5 @@ def test_cpp_kernel_refuses_a_malformed_graph():
     for rowptr, col, match in ((g.rowptr, bad_col, "out of range"),
                                (bad_ptr, g.col, "rowptr must run from 0 to E")):
         with pytest.raises(RuntimeError, match=match):
-            cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, rowptr, col, False, True)
+            cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), rowptr,
+                                         col, False, True)

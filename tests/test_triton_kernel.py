@@ -66,9 +66,10 @@ def make_inputs(n_src, n_dst, H, M, D, rotate_, seed):
     return [v, qs, qd, ks, kd, beta]
 
 
-def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs):
+def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs, scale=None):
     """From the definition, per edge: logit beta <k_i, k_j>, softmax over each
-    target's edges, message r v_j r* with r = q_i* q_j, sum."""
+    target's edges, message r v_j r* with r = q_i* q_j (times ``scale``
+    ``[E, H]``, edge order, when given; the weights returned unscaled), sum."""
     src, dst = edge_index
     d = (kd[dst] * ks[src]).sum(-1)
     logit = beta * (d.abs() if use_abs else d)
@@ -81,7 +82,8 @@ def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs):
     if qs is not None:
         r = hamilton_product(conjugate(qd[dst]), qs[src])
         msg = rotate(r.unsqueeze(-2), msg)
-    z = v.new_zeros(n_dst, *v.shape[1:]).index_add(0, dst, alpha[..., None, None] * msg)
+    w = alpha if scale is None else alpha * scale
+    z = v.new_zeros(n_dst, *v.shape[1:]).index_add(0, dst, w[..., None, None] * msg)
     return z, alpha
 
 
@@ -96,15 +98,20 @@ def op_graph(g):
     return g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t
 
 
-def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, seed=0):
+def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, seed=0,
+             scale=None):
     """``(got, want)``: z, alpha (edge order) and the gradients of every input
     for a random cotangent, by the operator (``dtype`` on DEVICE) and by
-    autograd of :func:`literal` in float64 (from the same rounded inputs)."""
+    autograd of :func:`literal` in float64 (from the same rounded inputs);
+    ``scale`` ``[E, H]`` in edge order, handed to the operator sorted."""
     g = gen(seed)
     ins = [None if t is None else t.to(dtype) for t in inputs]
     ref_ins = [None if t is None else t.double().requires_grad_() for t in ins]
     dev_ins = [None if t is None else t.to(DEVICE).requires_grad_() for t in ins]
-    z_ref, a_ref = literal(*ref_ins, edge_index, n_dst, use_abs)
+    if scale is not None:
+        scale = scale.to(dtype)
+    z_ref, a_ref = literal(*ref_ins, edge_index, n_dst, use_abs,
+                           scale=None if scale is None else scale.double())
     gz = torch.randn(z_ref.shape, generator=g, dtype=torch.float64)
     ga = torch.randn(a_ref.shape, generator=g, dtype=torch.float64)
     params = [t for t in ref_ins if t is not None]
@@ -112,7 +119,8 @@ def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, see
         (z_ref * gz).sum() + (a_ref * ga).sum(), params, materialize_grads=True))
     graph = on_device(graph)
     calls = dict(tk.CALLS)
-    z, alpha = qsv_attend(*dev_ins, graph, use_abs)
+    edge_scale = None if scale is None else scale.to(DEVICE)[graph.perm]
+    z, alpha = qsv_attend(*dev_ins, graph, use_abs, edge_scale=edge_scale)
     alpha_edges = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
     loss = (z.double() * gz.to(DEVICE)).sum() + (alpha_edges.double() * ga.to(DEVICE)).sum()
     dev_params = [t for t in dev_ins if t is not None]
@@ -201,8 +209,8 @@ def test_int32_indices_and_determinism():
                                for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=8))
 
     def run(index_dtype):
-        z, alpha, *_ = attend(v, qs, qd, ks, kd, beta, *op_graph(on_device(g64, index_dtype)),
-                              True, True)
+        z, alpha, *_ = attend(v, qs, qd, ks, kd, beta, v.new_empty(0),
+                              *op_graph(on_device(g64, index_dtype)), True, True)
         grads = torch.autograd.grad(z.pow(2).sum() + alpha.sin().sum(),
                                     (v, qs, qd, ks, kd, beta))
         return [z, alpha, *grads]
@@ -226,6 +234,88 @@ def test_half_precision_accumulates_in_float32(dtype):
     assert_all_close(got, want, **TOL_HALF[dtype])
 
 
+# ------------------------------------------- per-edge scale (attention dropout)
+def dropout_scale(num_edges, H, p, seed):
+    """0 with probability ``p``, else 1/(1-p): an attention-dropout scale ``[E, H]``."""
+    keep = torch.rand(num_edges, H, generator=gen(seed)) >= p
+    return keep.double() / (1 - p)
+
+
+def general_scale(num_edges, H, seed):
+    """Any real values (negative, zero, large): nothing assumes a mask."""
+    s = 2 * torch.randn(num_edges, H, generator=gen(seed), dtype=torch.float64)
+    s[::4] = 0
+    return s
+
+
+SCALE_CASES = [  # (variant, scale kind)
+    ("learned", "dropout"),
+    ("abs", "general"),
+    ("uniform", "dropout"),
+    ("learned-no-transport", "general"),
+    ("abs-no-transport", "dropout"),
+    ("uniform-no-transport", "general"),
+]
+
+
+@pytest.mark.parametrize("variant,scale_kind", SCALE_CASES,
+                         ids=["-".join(c) for c in SCALE_CASES])
+def test_edge_scale_matches_the_literal_formula(variant, scale_kind):
+    """y_i = sum_j alpha_ij s_ij u_j on the three kernels (the per-source pass
+    reads s through perm_t): z, the unscaled weights and every gradient."""
+    D, use_abs, rot = VARIANTS[variant]
+    n_src, n_dst, H, M, E = 8, 6, 3, 2, 20
+    ei = random_graph(n_src, n_dst, E, seed=21)
+    inputs = make_inputs(n_src, n_dst, H, M, D, rot, seed=22)
+    scale = dropout_scale(E, H, 0.4, seed=23) if scale_kind == "dropout" else \
+        general_scale(E, H, seed=23)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs, seed=24,
+                         scale=scale)
+    assert_all_close(got, want, **TOL32)
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+
+
+@pytest.mark.parametrize("kind", ["bipartite", "wide-rows"])
+def test_edge_scale_on_other_graphs(kind):
+    """A bipartite graph with isolated targets (dropout scale), and rows of
+    several edge steps (the online softmax rescales the scaled sum)."""
+    if kind == "bipartite":
+        n_src, n_dst, H, M, E = 9, 5, 2, 2, 16
+        ei = random_graph(n_src, n_dst, E, seed=25, isolated=(0, 3))
+        scale = dropout_scale(E, H, 0.5, seed=26)
+    else:
+        n_src, n_dst, H, M, E = 6, 2, 1, 64, 40
+        ei = random_graph(n_src, n_dst, E, seed=27, isolated=())
+        scale = general_scale(E, H, seed=26)
+    inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=28)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs=False,
+                         scale=scale)
+    assert_all_close(got, want, **TOL32)
+
+
+def test_edge_scale_of_ones_is_no_scale():
+    n_src, n_dst, H, M, E = 7, 5, 2, 2, 15
+    ei = random_graph(n_src, n_dst, E, seed=29)
+    graph = build_csr(ei, n_src, n_dst)
+    inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=30)
+    ones, _ = run_both(inputs, ei, graph, n_dst, True, seed=31,
+                       scale=torch.ones(E, H, dtype=torch.float64))
+    none, _ = run_both(inputs, ei, graph, n_dst, True, seed=31)
+    assert_all_close(ones, none, rtol=1e-6, atol=1e-6)
+
+
+def test_opcheck_with_edge_scale_on_the_triton_path():
+    n_src, n_dst, H, M = 4, 3, 2, 1
+    ei = random_graph(n_src, n_dst, 8, seed=32)
+    g = on_device(build_csr(ei, n_src, n_dst))
+    v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
+                               for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=33))
+    scale = dropout_scale(8, H, 0.5, seed=34).float().to(DEVICE)
+    calls = dict(tk.CALLS)
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, scale, *op_graph(g), False, True))
+    assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
+
+
 # ---------------------------------------------------------- the operator
 def test_opcheck_on_the_triton_path():
     n_src, n_dst, H, M = 4, 3, 2, 1
@@ -234,7 +324,8 @@ def test_opcheck_on_the_triton_path():
     v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
                                for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=12))
     calls = tk.CALLS["forward"]
-    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, *op_graph(g), False, True))
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, v.new_empty(0), *op_graph(g),
+                                   False, True))
     assert tk.CALLS["forward"] > calls
 
 
@@ -291,16 +382,18 @@ def test_kernels_compile_for_a_gpu():
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
-        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, rowptr=i, col=i, y_out=f,
-                              z_out=f, alpha_out=f, dot_out=f, **dims),
-         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, **blocks)),
-        (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, rowptr=i,
-                               col=i, alpha=f, y=f, gd=a, gbeta_part=a, gqd=f, gkd=f, **dims),
-         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, NEED_Q=True,
+        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, scale=f, rowptr=i, col=i,
+                              y_out=f, z_out=f, alpha_out=f, dot_out=f, **dims),
+         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, **blocks)),
+        (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, scale=f,
+                               rowptr=i, col=i, alpha=f, y=f, gd=a, gbeta_part=a, gqd=f,
+                               gkd=f, **dims),
+         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, HAS_SCALE=True,
+              NEED_Q=True, NEED_K=True, **blocks)),
+        (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, scale=f, gd=a,
+                               rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
+         dict(ROTATE=True, HAS_SCALE=True, NEED_U=True, NEED_V=True, NEED_Q=True,
               NEED_K=True, **blocks)),
-        (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, gd=a, rowptr_t=i,
-                               perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
-         dict(ROTATE=True, NEED_U=True, NEED_V=True, NEED_Q=True, NEED_K=True, **blocks)),
     ]
     for fn, sig, consts in specs:
         sig = {**sig, **{name: "constexpr" for name in consts}}
@@ -339,5 +432,5 @@ def test_malformed_graph_is_refused():
     bad_col = g.col.clone()
     bad_col[2] = n
     with pytest.raises(RuntimeError, match="malformed CSR"):
-        tk.forward(v, qs, qd, ks, kd, beta, g.rowptr, bad_col, False, True)
+        tk.forward(v, qs, qd, ks, kd, beta, v.new_empty(0), g.rowptr, bad_col, False, True)
 

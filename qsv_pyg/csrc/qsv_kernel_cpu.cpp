@@ -15,6 +15,9 @@
 //   ks / kd         [Ns|Nd, H, D]  routing keys: logit = beta_h * <kd_i, ks_j>
 //                                  (D = 0: uniform routing)
 //   beta            [H]
+//   scale           [E, H]         optional per-edge scale of the aggregation,
+//                                  y_i = sum_j alpha_ij scale_ij u_j (empty: none;
+//                                  the kernels are then instantiated without it)
 //   rowptr          [Nd + 1]       CSR rows (targets); col [E] their sources
 //   rowptr_t        [Ns + 1]       transposed rows (sources); perm_t [E] the
 //                                  sorted-edge index of each entry, row_t [E]
@@ -28,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -82,34 +86,46 @@ inline void outer_rows(const T* a, const T* b, int64_t M, T* G) {
   }
 }
 
-// out = sum_e w[e * H] * src[(idx[e] * H + h) * blk], one row of blk values; the
-// common widths accumulate in registers instead of in memory.
-template <typename T, int BLK>
-inline void weighted_rows_fixed(const T* w, const int64_t* idx, int64_t deg, const T* src,
-                                int64_t H, int64_t h, T* __restrict__ out) {
+// The weight of edge e (stride H): w[e * H], times sc[e * H] when SCALED (the
+// unscaled instantiation never touches sc).
+template <bool SCALED, typename T>
+inline T edge_weight(const T* w, const T* sc, int64_t e, int64_t H) {
+  if constexpr (SCALED) {
+    return w[e * H] * sc[e * H];
+  } else {
+    return w[e * H];
+  }
+}
+
+// out = sum_e w[e * H] (* sc[e * H]) * src[(idx[e] * H + h) * blk], one row of blk
+// values; the common widths accumulate in registers instead of in memory.
+template <bool SCALED, typename T, int BLK>
+inline void weighted_rows_fixed(const T* w, const T* sc, const int64_t* idx, int64_t deg,
+                                const T* src, int64_t H, int64_t h, T* __restrict__ out) {
   T acc[BLK];
   for (int c = 0; c < BLK; ++c) acc[c] = 0;
   for (int64_t e = 0; e < deg; ++e) {
-    const T a = w[e * H];
+    const T a = edge_weight<SCALED>(w, sc, e, H);
     const T* __restrict__ s = src + (idx[e] * H + h) * BLK;
     for (int c = 0; c < BLK; ++c) acc[c] += a * s[c];
   }
   for (int c = 0; c < BLK; ++c) out[c] = acc[c];
 }
 
-template <typename T>
-inline void weighted_rows(const T* w, const int64_t* idx, int64_t deg, const T* src,
-                          int64_t H, int64_t h, int64_t blk, T* __restrict__ out) {
+template <bool SCALED, typename T>
+inline void weighted_rows(const T* w, const T* sc, const int64_t* idx, int64_t deg,
+                          const T* src, int64_t H, int64_t h, int64_t blk,
+                          T* __restrict__ out) {
   switch (blk) {
-    case 4: return weighted_rows_fixed<T, 4>(w, idx, deg, src, H, h, out);
-    case 8: return weighted_rows_fixed<T, 8>(w, idx, deg, src, H, h, out);
-    case 16: return weighted_rows_fixed<T, 16>(w, idx, deg, src, H, h, out);
-    case 32: return weighted_rows_fixed<T, 32>(w, idx, deg, src, H, h, out);
-    case 64: return weighted_rows_fixed<T, 64>(w, idx, deg, src, H, h, out);
+    case 4: return weighted_rows_fixed<SCALED, T, 4>(w, sc, idx, deg, src, H, h, out);
+    case 8: return weighted_rows_fixed<SCALED, T, 8>(w, sc, idx, deg, src, H, h, out);
+    case 16: return weighted_rows_fixed<SCALED, T, 16>(w, sc, idx, deg, src, H, h, out);
+    case 32: return weighted_rows_fixed<SCALED, T, 32>(w, sc, idx, deg, src, H, h, out);
+    case 64: return weighted_rows_fixed<SCALED, T, 64>(w, sc, idx, deg, src, H, h, out);
     default:
       for (int64_t c = 0; c < blk; ++c) out[c] = 0;
       for (int64_t e = 0; e < deg; ++e) {
-        const T a = w[e * H];
+        const T a = edge_weight<SCALED>(w, sc, e, H);
         const T* s = src + (idx[e] * H + h) * blk;
         for (int64_t c = 0; c < blk; ++c) out[c] += a * s[c];
       }
@@ -134,10 +150,10 @@ inline int64_t grain(int64_t work_per_row) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_row, 1));
 }
 
-template <typename T>
+template <bool SCALED, typename T>
 void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
-                  const T* kd, const T* beta, const int64_t* rowptr, const int64_t* col,
-                  T* u, T* y, T* z, T* alpha, T* dot) {
+                  const T* kd, const T* beta, const T* scale, const int64_t* rowptr,
+                  const int64_t* col, T* u, T* y, T* z, T* alpha, T* dot) {
   const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
   if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
     at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
@@ -178,7 +194,8 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
         const T inv = T(1) / total;
         for (int64_t e = 0; e < deg; ++e) al[e * H] *= inv;
         T* yr = sum + row * blk;
-        weighted_rows<T>(al, nb, deg, src, H, h, blk, yr);
+        weighted_rows<SCALED, T>(al, SCALED ? scale + e0 * H + h : nullptr, nb, deg, src, H,
+                                 h, blk, yr);
         if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
           block_matrix(qd + row * 4, Q);
           apply_rows(Q, yr, z + row * blk, M, true);
@@ -195,10 +212,10 @@ struct Needs {
 // Longer than the usual 80 lines on purpose: the two passes share one argument
 // list and pass B reads what pass A wrote (gy, gd); split, both halves would
 // take the same twenty pointers.
-template <typename T>
+template <bool SCALED, typename T>
 void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
                    const T* v, const T* qs, const T* qd, const T* ks, const T* kd,
-                   const T* beta, const int64_t* rowptr, const int64_t* col,
+                   const T* beta, const T* scale, const int64_t* rowptr, const int64_t* col,
                    const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
                    const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
                    T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
@@ -228,8 +245,15 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         T sa = 0;
         for (int64_t e = 0; e < deg; ++e) {  // ga (held in gd for now)
           const T* uj = src + (nb[e] * H + h) * blk;
-          T acc = galpha ? galpha[(e0 + e) * H + h] : T(0);
-          for (int64_t c = 0; c < blk; ++c) acc += gyr[c] * uj[c];
+          T acc;
+          if constexpr (SCALED) {  // y = sum alpha s u  =>  ga = s <gy, u> + galpha
+            T d = 0;
+            for (int64_t c = 0; c < blk; ++c) d += gyr[c] * uj[c];
+            acc = scale[(e0 + e) * H + h] * d + (galpha ? galpha[(e0 + e) * H + h] : T(0));
+          } else {
+            acc = galpha ? galpha[(e0 + e) * H + h] : T(0);
+            for (int64_t c = 0; c < blk; ++c) acc += gyr[c] * uj[c];
+          }
           gdr[e * H] = acc;
           sa += al[e * H] * acc;
         }
@@ -276,8 +300,8 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       for (int64_t p = rowptr_t[j]; p < rowptr_t[j + 1]; ++p) {
         const int64_t e = perm_t[p], i = row_t[p];
         for (int64_t h = 0; h < H; ++h) {
-          if (need_u) {
-            const T a = alpha[e * H + h];
+          if (need_u) {  // gu_j = sum_i alpha_ij (s_ij) gy_i
+            const T a = SCALED ? alpha[e * H + h] * scale[e * H + h] : alpha[e * H + h];
             const T* gyr = gy + (i * H + h) * blk;
             T* o = gu.data() + h * blk;
             for (int64_t c = 0; c < blk; ++c) o[c] += a * gyr[c];
@@ -349,16 +373,29 @@ T* ptr_or_null(torch::Tensor& t) {
   return t.numel() ? t.data_ptr<T>() : nullptr;
 }
 
+// scale: empty (no scale) or [E, H] of v's dtype.
+void check_scale(const torch::Tensor& scale, const torch::Tensor& v, int64_t E, int64_t H) {
+  if (scale.numel() == 0) return;
+  check(scale, "scale");
+  TORCH_CHECK(scale.scalar_type() == v.scalar_type(), "qsv_kernel_cpu: scale must have the ",
+              "features' dtype");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == E && scale.size(1) == H,
+              "qsv_kernel_cpu: scale ", scale.sizes(), " must be empty or [E, H] = [", E,
+              ", ", H, "]");
+}
+
 std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
                                        torch::Tensor ks, torch::Tensor kd, torch::Tensor beta,
-                                       torch::Tensor rowptr, torch::Tensor col, bool use_abs,
-                                       bool rotate) {
+                                       torch::Tensor scale, torch::Tensor rowptr,
+                                       torch::Tensor col, bool use_abs, bool rotate) {
   for (auto* t : {&v, &qs, &qd, &ks, &kd, &beta}) check(*t, "input");
   check_index(rowptr, "rowptr");
   check_index(col, "col");
   Dims s = dims(v, ks, rowptr, use_abs, rotate);
   const int64_t E = s.E = col.size(0);
   check_graph(rowptr, col, s.Ns);
+  check_scale(scale, v, E, s.H);
+  const bool scaled = scale.numel() > 0;
   auto opts = v.options();
   auto u = rotate ? torch::empty_like(v) : torch::empty({0}, opts);
   auto y = rotate ? torch::empty({s.Nd, s.H, s.M, 4}, opts) : torch::empty({0}, opts);
@@ -366,13 +403,19 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch:
   auto alpha = torch::empty({E, s.H}, opts);
   auto dot = torch::empty({E, s.H}, opts);
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_forward", [&] {
-    forward_impl<scalar_t>(s, v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(qs),
-                           ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
-                           ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(),
-                           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(),
-                           ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
-                           z.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(),
-                           dot.data_ptr<scalar_t>());
+    auto run = [&](auto scaled_tag) {
+      forward_impl<decltype(scaled_tag)::value, scalar_t>(
+          s, v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd),
+          ptr_or_null<scalar_t>(ks), ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(scale), rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(),
+          ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), z.data_ptr<scalar_t>(),
+          alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>());
+    };
+    if (scaled) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   });
   return {z, alpha, u, y, dot};
 }
@@ -380,15 +423,18 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch:
 std::vector<torch::Tensor> qsv_backward(
     torch::Tensor gz, c10::optional<torch::Tensor> galpha, torch::Tensor v, torch::Tensor qs,
     torch::Tensor qd, torch::Tensor ks, torch::Tensor kd, torch::Tensor beta,
-    torch::Tensor rowptr, torch::Tensor col, torch::Tensor rowptr_t, torch::Tensor perm_t,
-    torch::Tensor row_t, torch::Tensor alpha, torch::Tensor dot, torch::Tensor u,
-    torch::Tensor y, bool use_abs, bool rotate, bool need_v, bool need_q, bool need_k) {
+    torch::Tensor scale, torch::Tensor rowptr, torch::Tensor col, torch::Tensor rowptr_t,
+    torch::Tensor perm_t, torch::Tensor row_t, torch::Tensor alpha, torch::Tensor dot,
+    torch::Tensor u, torch::Tensor y, bool use_abs, bool rotate, bool need_v, bool need_q,
+    bool need_k) {
   for (auto* t : {&gz, &v, &qs, &qd, &ks, &kd, &beta, &alpha, &dot, &u, &y}) check(*t, "input");
   for (auto* t : {&rowptr, &col, &rowptr_t, &perm_t, &row_t}) check_index(*t, "index");
   if (galpha.has_value()) check(*galpha, "grad_alpha");
   Dims s = dims(v, ks, rowptr, use_abs, rotate);
   const Needs need{need_v, need_q && rotate, need_k && s.D > 0};
   const int64_t E = s.E = col.size(0);
+  check_scale(scale, v, E, s.H);
+  const bool scaled = scale.numel() > 0;
   auto opts = v.options();
   // Unneeded outputs are distinct empty tensors (returns may not alias).
   auto maybe = [&](bool need, std::vector<int64_t> shape) {
@@ -403,17 +449,24 @@ std::vector<torch::Tensor> qsv_backward(
   auto gks = maybe(need.k, {s.Ns, s.H, s.D});
   auto gv = maybe(need_v, v.sizes().vec());
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_backward", [&] {
-    backward_impl<scalar_t>(
-        s, need, gz.data_ptr<scalar_t>(),
-        galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr, v.data_ptr<scalar_t>(),
-        ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
-        ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(), rowptr.data_ptr<int64_t>(),
-        col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(), perm_t.data_ptr<int64_t>(),
-        row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>(),
-        ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), ptr_or_null<scalar_t>(gy),
-        gd.data_ptr<scalar_t>(), gbeta_part.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(gqd),
-        ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv), ptr_or_null<scalar_t>(gqs),
-        ptr_or_null<scalar_t>(gks));
+    auto run = [&](auto scaled_tag) {
+      backward_impl<decltype(scaled_tag)::value, scalar_t>(
+          s, need, gz.data_ptr<scalar_t>(),
+          galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr, v.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
+          ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(scale),
+          rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(),
+          perm_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
+          dot.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
+          ptr_or_null<scalar_t>(gy), gd.data_ptr<scalar_t>(), gbeta_part.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(gqd), ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv),
+          ptr_or_null<scalar_t>(gqs), ptr_or_null<scalar_t>(gks));
+    };
+    if (scaled) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   });
   return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0)};
 }

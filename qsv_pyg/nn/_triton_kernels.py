@@ -118,14 +118,15 @@ def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
 
 
 @triton.jit
-def forward_rows(src, qd, ks, kd, beta, rowptr, col, y_out, z_out, alpha_out, dot_out, H, M,
-                 D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
-                 ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-                 BD: tl.constexpr):
+def forward_rows(src, qd, ks, kd, beta, scale, rowptr, col, y_out, z_out, alpha_out, dot_out,
+                 H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                 BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """One target ``i`` and ``BH`` heads: logits, online softmax (running max
     and sum) and the weighted sum of the (rotated) sources in one walk over
-    the row; ``z = Q_i^T y``; then a walk over the row's ``[deg, BH]``
-    logits only, to write the normalised weights."""
+    the row (each weight times the edge's ``scale`` when ``HAS_SCALE``; the
+    softmax's sum is not scaled); ``z = Q_i^T y``; then a walk over the row's
+    ``[deg, BH]`` logits only, to write the normalised (unscaled) weights."""
     i = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
@@ -165,18 +166,23 @@ def forward_rows(src, qd, ks, kd, beta, rowptr, col, y_out, z_out, alpha_out, do
             logit = d * b[None, :]
         logit = tl.where(em[:, None], logit, float("-inf"))
         new_max = tl.maximum(run_max, tl.reduce(logit, 0, _MAX))
-        scale = tl.exp(run_max - new_max)
+        rescale = tl.exp(run_max - new_max)
         p = tl.exp(logit - new_max[None, :])
-        run_sum = run_sum * scale + tl.reduce(p, 0, _ADD)
+        run_sum = run_sum * rescale + tl.reduce(p, 0, _ADD)
         run_max = new_max
         off = j[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
             offs_m[None, None, :] * 4
         x0, x1, x2, x3 = _load4(src, off, eh[:, :, None] & mm[None, None, :], ACC)
-        w = p[:, :, None]
-        acc0 = acc0 * scale[:, None] + tl.reduce(w * x0, 0, _ADD)
-        acc1 = acc1 * scale[:, None] + tl.reduce(w * x1, 0, _ADD)
-        acc2 = acc2 * scale[:, None] + tl.reduce(w * x2, 0, _ADD)
-        acc3 = acc3 * scale[:, None] + tl.reduce(w * x3, 0, _ADD)
+        if HAS_SCALE:  # y = sum_j alpha_ij s_ij u_j
+            s = tl.load(scale + offs_e[:, None] * H + offs_h[None, :], mask=eh,
+                        other=0).to(ACC)
+            w = (p * s)[:, :, None]
+        else:
+            w = p[:, :, None]
+        acc0 = acc0 * rescale[:, None] + tl.reduce(w * x0, 0, _ADD)
+        acc1 = acc1 * rescale[:, None] + tl.reduce(w * x1, 0, _ADD)
+        acc2 = acc2 * rescale[:, None] + tl.reduce(w * x2, 0, _ADD)
+        acc3 = acc3 * rescale[:, None] + tl.reduce(w * x3, 0, _ADD)
     inv = tl.where(run_sum > 0, 1.0 / tl.where(run_sum > 0, run_sum, 1.0), 0.0)  # no edges: z = 0
     y0 = acc0 * inv[:, None]
     y1 = acc1 * inv[:, None]
@@ -212,14 +218,15 @@ def forward_rows(src, qd, ks, kd, beta, rowptr, col, y_out, z_out, alpha_out, do
 
 
 @triton.jit
-def backward_rows(gz, galpha, src, qd, ks, kd, beta, rowptr, col, alpha, y, gd, gbeta_part,
-                  gqd, gkd, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
-                  HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, NEED_Q: tl.constexpr,
-                  NEED_K: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
-                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, gd,
+                  gbeta_part, gqd, gkd, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                  HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """Pass A, one target ``i`` and ``BH`` heads: ``gy = Q_i gz``, the softmax
-    backward (``ga`` parked in ``gd``, then overwritten with the key-product
-    gradient), the per-target part of d beta, d kd_i and d qd_i."""
+    backward (``ga = s <gy_i, u_j> + galpha`` parked in ``gd``, then
+    overwritten with the key-product gradient), the per-target part of d beta,
+    d kd_i and d qd_i."""
     i = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
@@ -236,7 +243,7 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, rowptr, col, alpha, y, gd, 
         g0, g1, g2, g3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], g0, g1,
                                  g2, g3, False)
     sa = tl.full([BH], 0, ACC)
-    for e0 in range(start, end, BE):  # ga = <gy_i, u_j> (+ galpha)
+    for e0 in range(start, end, BE):  # ga = (s_ij) <gy_i, u_j> (+ galpha)
         offs_e = e0 + tl.arange(0, BE)
         em = offs_e < end
         eh = em[:, None] & hm[None, :]
@@ -247,6 +254,8 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, rowptr, col, alpha, y, gd, 
         ga = tl.reduce(g0[None, :, :] * x0 + g1[None, :, :] * x1 + g2[None, :, :] * x2 +
                     g3[None, :, :] * x3, 2, _ADD)
         off_eh = offs_e[:, None] * H + offs_h[None, :]
+        if HAS_SCALE:
+            ga = ga * tl.load(scale + off_eh, mask=eh, other=0).to(ACC)
         if HAS_GALPHA:
             ga += tl.load(galpha + off_eh, mask=eh, other=0).to(ACC)
         a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
@@ -295,13 +304,15 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, rowptr, col, alpha, y, gd, 
 
 
 @triton.jit
-def backward_cols(gz, v, qs, qd, kd, alpha, gd, rowptr_t, perm_t, row_t, gv, gqs, gks, H, M,
-                  D, ROTATE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
-                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
-                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gqs, gks,
+                  H, M, D, ROTATE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr,
+                  NEED_V: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr,
+                  ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                  BD: tl.constexpr):
     """Pass B, one source ``j`` and ``BH`` heads over its outgoing edges (the
-    transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij Q_i gz_i`` (``gy``
-    recomputed, not stored), ``gv = Q_j^T gu``, d qs_j, d ks_j."""
+    transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij (s_ij) Q_i gz_i``
+    (``gy`` recomputed, not stored; alpha and s read through ``perm_t``),
+    ``gv = Q_j^T gu``, d qs_j, d ks_j."""
     j = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
@@ -325,6 +336,8 @@ def backward_cols(gz, v, qs, qd, kd, alpha, gd, rowptr_t, perm_t, row_t, gv, gqs
         off_eh = e[:, None] * H + offs_h[None, :]
         if NEED_U:
             a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
+            if HAS_SCALE:
+                a = a * tl.load(scale + off_eh, mask=eh, other=0).to(ACC)
             off = i[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
                 offs_m[None, None, :] * 4
             g0, g1, g2, g3 = _load4(gz, off, eh[:, :, None] & mm[None, None, :], ACC)

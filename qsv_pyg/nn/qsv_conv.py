@@ -132,9 +132,10 @@ class QSVConv(MessagePassing):
     (:mod:`qsv_pyg.nn.csr`), and the rotations, softmax and weighted sum run
     as one registered operator with a hand-written backward
     (:func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`; C++ on CPU, Triton on CUDA),
-    which :func:`torch.compile` and autocast keep. Attention dropout while
-    training, explainers, message-passing hooks and sparse adjacencies use
-    PyG's message passing instead.
+    which :func:`torch.compile` and autocast keep; attention dropout runs
+    there too, as a per-edge mask the operator multiplies into the weights.
+    Explainers, message-passing hooks and sparse adjacencies use PyG's message
+    passing instead.
 
     Args:
         in_channels (int or tuple): Size of each input sample, or :obj:`-1` to
@@ -169,7 +170,19 @@ class QSVConv(MessagePassing):
         add_self_loops (bool, optional): Add self-loops (:math:`r_{ii}` is the
             identity). (default: :obj:`False`)
         root_weight (bool, optional): Add the transformed target features
-            :math:`\mathbf{W}_r \mathbf{x}_i`. (default: :obj:`True`)
+            :math:`\mathbf{W}_r \mathbf{x}_i` (of the raw features, also with
+            ``project_input``). (default: :obj:`True`)
+        project_input (bool, optional): First project the source (and target)
+            features by a learned linear map :math:`\mathbf{P}` to
+            ``heads × C`` channels, :math:`C` = ``out_channels`` rounded up to
+            a multiple of four, as :class:`~torch_geometric.nn.conv.GATConv`
+            projects before it attends; the feature quaternions are then read
+            from :math:`\mathbf{P}\mathbf{x}` too, and each head transports
+            its :math:`C` projected channels. For wide inputs (bag-of-words,
+            one-hot) this is far cheaper, and each head sees every input
+            feature instead of a slice. :obj:`False` is the paper's layer: no
+            value projection, each head reads its slice of the raw features.
+            (default: :obj:`False`)
         bias (bool, optional): Learn an additive bias. (default: :obj:`True`)
         quat_source (str, optional): Where the node quaternions come from
             (``QUAT_SOURCES_OF["QSVConv"]`` of :mod:`qsv_pyg.nn.quat_sources`).
@@ -222,6 +235,7 @@ class QSVConv(MessagePassing):
         dropout: float = 0.0,
         add_self_loops: bool = False,
         root_weight: bool = True,
+        project_input: bool = False,
         bias: bool = True,
         quat_source: str = "auto",
         dense_path: str = "auto",
@@ -251,6 +265,7 @@ class QSVConv(MessagePassing):
         self.dropout = dropout
         self.add_self_loops = add_self_loops
         self.root_weight = root_weight
+        self.project_input = project_input
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
         self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
         self.check_finite = check_finite
@@ -263,7 +278,24 @@ class QSVConv(MessagePassing):
             if not isinstance(c, int) or isinstance(c, bool) or (c < 1 and c != -1):
                 raise ValueError(f"{name} must be a positive integer or -1 (lazy), got {c!r}")
 
-        self._make_quat_maps(in_channels)
+        # The value projection P (project_input): GATConv's lin / lin_src, lin_dst.
+        self.lin_proj = self.lin_proj_src = self.lin_proj_dst = None
+        if project_input:
+            width = heads * (-(-out_channels // 4) * 4)
+            if isinstance(in_channels, int):
+                self.lin_proj = Linear(in_channels, width, bias=False,
+                                       weight_initializer="glorot")
+            else:
+                self.lin_proj_src = Linear(in_src, width, bias=False,
+                                           weight_initializer="glorot")
+                self.lin_proj_dst = Linear(in_dst, width, bias=False,
+                                           weight_initializer="glorot")
+            quat_in: Union[int, Tuple[int, int]] = \
+                width if isinstance(in_channels, int) else (width, width)
+            in_src = width
+        else:
+            quat_in = in_channels
+        self._make_quat_maps(quat_in)
 
         log_beta = torch.full((heads, ), math.log(beta_init))
         if learn_beta:
@@ -299,6 +331,9 @@ class QSVConv(MessagePassing):
 
     def reset_parameters(self):
         super().reset_parameters()
+        for lin in (self.lin_proj, self.lin_proj_src, self.lin_proj_dst):
+            if lin is not None:
+                lin.reset_parameters()
         for lin in (self.lin_quat, self.lin_quat_src, self.lin_quat_dst):
             if lin is not None:
                 lin.reset_parameters()
@@ -522,20 +557,19 @@ class QSVConv(MessagePassing):
 
         ``"message_passing"`` (PyG's ``propagate``, the literal softmax) for what
         the operator does not do: ``dense_path="never"``, sparse adjacencies,
-        attention dropout while training, explainers (PyG's public ``explain``)
-        and PyG's message-passing hooks. Else the operator: ``"attend_per_item"``
-        over ``B`` disjoint copies of the graph when a ``[B, N, C]`` input's
-        routing differs per item (feature quaternions), ``"attend_shared"`` over
-        the graph with one routing for the call (2-D input, or a shared field:
-        the batch rides along as channels). The operator's implementation is
+        explainers (PyG's public ``explain``) and PyG's message-passing hooks.
+        Else the operator: ``"attend_per_item"`` over ``B`` disjoint copies of
+        the graph when a ``[B, N, C]`` input's weights differ per item (feature
+        quaternions, or attention dropout: every item draws its own mask),
+        ``"attend_shared"`` over the graph with one set of weights for the call
+        (2-D input, or a shared field: the batch rides along as channels).
+        The operator's implementation is
         :func:`qsv_pyg.nn.qsv_kernel.backend`'s choice.
         """
         if self.dense_path == "never":
             return "message_passing", "dense_path='never'"
         if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
             return "message_passing", "a sparse adjacency (SparseTensor or torch.sparse)"
-        if self.training and self.dropout > 0:
-            return "message_passing", "attention dropout while training"
         if self.explain:
             return "message_passing", "an explainer (explain=True) reads the messages"
         for hooks in _PYG_HOOKS:
@@ -543,7 +577,12 @@ class QSVConv(MessagePassing):
                 return "message_passing", f"a hook of PyG's message passing ({hooks})"
         if x_src.dim() == 3 and q_src is not None and q_src.dim() == 4:
             return "attend_per_item", "[B, N, C] input with per-item quaternions"
+        if x_src.dim() == 3 and self._drops_attention():
+            return "attend_per_item", "[B, N, C] input with attention dropout per item"
         return "attend_shared", "one routing for the call (2-D input or a shared field)"
+
+    def _drops_attention(self) -> bool:
+        return self.training and self.dropout > 0
 
     # ---------------------------------------------------------------- forward
     @overload
@@ -590,6 +629,9 @@ class QSVConv(MessagePassing):
         else:
             x_src, x_dst = x
         self._check_call(x_src, x_dst, edge_index)
+        x_root = x_dst  # the root weight reads the raw target features
+        if self.project_input:
+            x_src, x_dst = self._project_input(x_src, x_dst)
         if isinstance(self.weight, UninitializedParameter):
             self._materialize(x_src.size(-1))
         H, C = self.heads, self.weight.size(1)
@@ -613,8 +655,8 @@ class QSVConv(MessagePassing):
             z_h, alpha, b = self._attend(path, x_pad, q_src, q_dst, pos_pair, edge_index,
                                          num_dst, bool(return_attention_weights))
         out = self._project(z_h, b, (*x_src.shape[:-2], num_dst))
-        if self.lin_skip is not None and x_dst is not None:
-            out = out + self.lin_skip(x_dst)
+        if self.lin_skip is not None and x_root is not None:
+            out = out + self.lin_skip(x_root)
         if self.bias is not None:
             out = out + self.bias
 
@@ -627,6 +669,17 @@ class QSVConv(MessagePassing):
             elif isinstance(edge_index, SparseTensor):
                 return out, edge_index.set_value(alpha, layout="coo")
         return out
+
+    def _project_input(self, x_src: Tensor, x_dst: OptTensor) -> Tuple[Tensor, OptTensor]:
+        """``(P x_src, P x_dst)`` of ``project_input`` (one map unless bipartite)."""
+        if self.lin_proj is not None:
+            p_src = self.lin_proj(x_src)
+            if x_dst is x_src:
+                return p_src, p_src
+            return p_src, None if x_dst is None else self.lin_proj(x_dst)
+        assert self.lin_proj_src is not None and self.lin_proj_dst is not None
+        return (self.lin_proj_src(x_src),
+                None if x_dst is None else self.lin_proj_dst(x_dst))
 
     def _num_dst(self, x_src: Tensor, x_dst: OptTensor, quat, edge_index: Adj,
                  size: Size) -> int:
@@ -690,25 +743,41 @@ class QSVConv(MessagePassing):
             graph = graph_csr(edge_index, n_src, num_dst, batch=B)
             v = x.reshape(B * n_src, H, C // 4, 4)
             assert q_dst is not None or not rotate
+            mask = self._dropout_mask(graph.col.numel(), x)
             z, alpha = qsv_attend(v, _flat_batch(q_src, B) if rotate else None,
                                   _flat_batch(q_dst, B) if rotate else None,
                                   _flat_batch(k_src, B), _flat_batch(k_dst, B), self.beta,
-                                  graph, use_abs)
+                                  graph, use_abs, edge_scale=mask)
             if want_alpha:
+                if mask is not None:  # the weights used, as GATConv returns them
+                    alpha = alpha * mask.to(alpha.dtype)
                 alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
             return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
         graph = graph_csr(edge_index, n_src, num_dst)
         # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
         v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(
             n_src, H, B * C // 4, 4)
+        mask = self._dropout_mask(graph.col.numel(), x)
         z, alpha = qsv_attend(v, q_src if rotate else None, q_dst if rotate else None,
-                              k_src, k_dst, self.beta, graph, use_abs)
+                              k_src, k_dst, self.beta, graph, use_abs, edge_scale=mask)
         if want_alpha:
+            if mask is not None:
+                alpha = alpha * mask.to(alpha.dtype)
             alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
         z_h = z.view(num_dst, H, B * C).transpose(0, 1).reshape(H, num_dst * B, C)
         if x.dim() == 3:
             return z_h, alpha.expand(B, -1, -1), B
         return z_h, alpha, 0
+
+    def _dropout_mask(self, num_edges: int, ref: Tensor) -> OptTensor:
+        """Attention dropout's ``[E, H]`` edge scale (0 or ``1 / (1 - p)``, as
+        :func:`torch.nn.functional.dropout` draws it), or None when not dropping."""
+        if not self._drops_attention():
+            return None
+        keep = 1.0 - self.dropout
+        dt = torch.promote_types(ref.dtype, torch.float32)
+        mask = torch.empty(num_edges, self.heads, dtype=dt, device=ref.device)
+        return mask.bernoulli_(keep).div_(keep)
 
     # ------------------------------------------------------- message passing
     def _message_passing(self, x: Tensor, q_src: Tensor, q_dst: OptTensor,
@@ -776,4 +845,5 @@ class QSVConv(MessagePassing):
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "
                 f"{self.out_channels}, heads={self.heads}, routing={self.routing}, "
-                f"transport={self.transport})")
+                f"transport={self.transport}"
+                + (", project_input=True" if self.project_input else "") + ")")

@@ -6,13 +6,18 @@ graph: variable degree, bipartite, isolated targets) and every head:
 .. math::
     \mathbf{u}_j = Q_j \mathbf{v}_j, \quad
     \alpha_{ij} = \operatorname{softmax}_j\big(\beta\, \langle k_i, k_j \rangle\big),
-    \quad \mathbf{y}_i = \textstyle\sum_j \alpha_{ij} \mathbf{u}_j, \quad
+    \quad \mathbf{y}_i = \textstyle\sum_j \alpha_{ij} s_{ij} \mathbf{u}_j, \quad
     \mathbf{z}_i = Q_i^\top \mathbf{y}_i,
 
 with :math:`Q = \mathrm{diag}(1, R(q))` acting on every block of four channels
 (:func:`~qsv_pyg.quaternion.quaternion_to_block_matrix`; skipped when
 ``rotate=False``) and routing keys :math:`k` (the unit quaternions for learned
 routing; ``D = 0`` gives uniform weights; optionally :math:`|\langle\cdot\rangle|`).
+The per-edge scale :math:`s_{ij}` is optional (``scale`` ``[E, H]`` in the
+graph's target-sorted edge order, or empty for :math:`s = 1`, which costs
+nothing): attention dropout passes its mask divided by :math:`1 - p`. It is
+a constant to autograd (no gradient), and the returned weights are the
+unscaled :math:`\alpha`.
 The backward is written out by hand; nothing of size ``[E, H, C]`` is stored
 on CPU. Under ``create_graph=True`` it runs as differentiable PyTorch ops
 instead (the forward recomputed by :func:`_forward_torch`, then
@@ -118,7 +123,7 @@ def _outer_grad(q: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return block_matrix_to_quaternion_grad(q, g.view(n, h, 4, 4))
 
 
-def _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate):
+def _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, use_abs, rotate):
     num_dst, E, H = rowptr.numel() - 1, col.numel(), v.size(1)
     src = _rotate(v, qs, False) if rotate else v
     logits, dot = routing_logits(kd[row], ks[col], beta, use_abs)
@@ -127,19 +132,23 @@ def _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate):
         0, idx, logits, "amax", include_self=True)
     ex = (logits - mx[row]).exp()
     alpha = ex / ex.new_zeros(num_dst, H).index_add(0, row, ex)[row]
+    w = alpha * scale if scale.numel() else alpha  # alpha itself is returned unscaled
     y = v.new_zeros(num_dst, *v.shape[1:]).index_add(
-        0, row, alpha.view(E, H, 1, 1) * src[col])
+        0, row, w.view(E, H, 1, 1) * src[col])
     if not rotate:
         return y, alpha, v.new_empty(0), v.new_empty(0), dot
     return _rotate(y, qd, True), alpha, src, y, dot
 
 
-def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y,
-                    use_abs, rotate, need_v, need_q, need_k):
+def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u,
+                    y, use_abs, rotate, need_v, need_q, need_k):
     E, H = alpha.shape
+    scaled = scale.numel() > 0
     gy = _rotate(gz, qd, False) if rotate else gz
     src = u if rotate else v
     ga = (gy[row] * src[col]).sum(dim=(-1, -2))
+    if scaled:  # y = sum_j alpha s u_j: d/d alpha = s <gy, u_j>
+        ga = ga * scale
     if galpha is not None:
         ga = ga + galpha
     sa = ga.new_zeros(gy.size(0), H).index_add(0, row, alpha * ga)
@@ -151,7 +160,8 @@ def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u
         gkd = torch.zeros_like(kd).index_add(0, row, gd.unsqueeze(-1) * ks[col])
         gks = torch.zeros_like(ks).index_add(0, col, gd.unsqueeze(-1) * kd[row])
     if need_v or need_q:
-        gu = torch.zeros_like(v).index_add(0, col, alpha.view(E, H, 1, 1) * gy[row])
+        w = alpha * scale if scaled else alpha
+        gu = torch.zeros_like(v).index_add(0, col, w.view(E, H, 1, 1) * gy[row])
         if need_v:
             gv = _rotate(gu, qs, True) if rotate else gu
         if need_q:  # u = Q_j v and z = Q_i^T y
@@ -162,20 +172,42 @@ def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u
 
 @torch.library.custom_op("qsv_pyg::attend", mutates_args=())
 def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
-           rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
-           row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
+           scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
+           perm_t: Tensor, row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
     """Forward: ``(z, alpha, u, y, dot)``; ``u``, ``y`` (empty unless
-    ``rotate``) and ``dot`` are kept for the backward."""
+    ``rotate``) and ``dot`` are kept for the backward. ``scale``: the per-edge
+    scale ``[E, H]`` of the aggregation, or empty for none; ``alpha`` is the
+    unscaled softmax either way."""
+    _check_scale(scale, col.size(0), v.size(1))
     _, impl = _implementation(v)
     if impl is None:
-        return _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row, use_abs, rotate)
-    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, rowptr, col, use_abs, rotate)
+        return _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, use_abs,
+                              rotate)
+    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, scale, rowptr, col, use_abs,
+                                       rotate)
     return z, alpha, u, y, dot
 
 
+def _check_scale(scale: Tensor, E, H) -> None:
+    """The operator's ``scale`` is empty (no scale) or ``[E, H]`` (torch._check:
+    also a runtime assert under torch.compile with dynamic shapes)."""
+    if scale.numel() == 0:
+        return
+
+    def message() -> str:
+        return f"qsv_pyg::attend: scale {tuple(scale.shape)} must be empty or [E, H] = " \
+               f"[{E}, {H}]"
+
+    torch._check(scale.dim() == 2, message)
+    torch._check(scale.size(0) == E, message)
+    torch._check(scale.size(1) == H, message)
+
+
 @attend.register_fake
-def _(v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs, rotate):
+def _(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs,
+      rotate):
     num_dst, E = rowptr.size(0) - 1, col.size(0)
+    _check_scale(scale, E, v.size(1))
     z = v.new_empty(num_dst, *v.shape[1:])
     kept = (v.new_empty(v.shape), v.new_empty(z.shape)) if rotate else \
         (v.new_empty(0), v.new_empty(0))
@@ -184,32 +216,32 @@ def _(v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, use_ab
 
 @torch.library.custom_op("qsv_pyg::attend_backward", mutates_args=())
 def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
-                    qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor, rowptr: Tensor,
-                    col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
-                    row_t: Tensor, alpha: Tensor, dot: Tensor, u: Tensor, y: Tensor,
-                    use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
+                    qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor, scale: Tensor,
+                    rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
+                    perm_t: Tensor, row_t: Tensor, alpha: Tensor, dot: Tensor, u: Tensor,
+                    y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
                     need_k: bool) -> Tensors6:
     """Gradients ``(v, qs, qd, ks, kd, beta)``; empty where not needed."""
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
     name, impl = _implementation(v)
     if name == "triton":
-        return triton_kernel.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col,
-                                      rowptr_t, perm_t, row_t, alpha, u, y, use_abs, rotate,
-                                      need_v, need_q, need_k)
+        return triton_kernel.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr,
+                                      col, rowptr_t, perm_t, row_t, alpha, u, y, use_abs,
+                                      rotate, need_v, need_q, need_k)
     if impl is not None:  # the C++ kernel also takes the saved dot products
-        out = impl.backward(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, rowptr_t,
-                            perm_t, row_t, alpha, dot, u, y, use_abs, rotate, need_v,
-                            need_q, need_k)
+        out = impl.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col,
+                            rowptr_t, perm_t, row_t, alpha, dot, u, y, use_abs, rotate,
+                            need_v, need_q, need_k)
         return tuple(out)  # type: ignore[return-value]
     gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
-        gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y, use_abs, rotate,
-        need_v, need_q, need_k)
+        gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
+        rotate, need_v, need_q, need_k)
     return gv, gqs, gqd, gks, gkd, gbeta
 
 
 @attend_backward.register_fake
-def _(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t,
-      alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k):
+def _(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t,
+      row_t, alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k):
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
 
     def like(t: Tensor, need: bool) -> Tensor:
@@ -220,18 +252,18 @@ def _(gz, galpha, v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, r
 
 
 def _setup_context(ctx, inputs, output):
-    v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs, rotate = \
-        inputs
+    (v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs,
+     rotate) = inputs
     z, alpha, u, y, dot = output
     ctx.mark_non_differentiable(u, y, dot)
     ctx.flags = (use_abs, rotate)
-    ctx.save_for_backward(v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t,
-                          row_t, alpha, dot, u, y)
+    ctx.save_for_backward(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t,
+                          perm_t, row_t, alpha, dot, u, y)
 
 
 def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
-    v, qs, qd, ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y = \
-        ctx.saved_tensors
+    (v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u,
+     y) = ctx.saved_tensors
     use_abs, rotate = ctx.flags
     nv, nqs, nqd, nks, nkd, nbeta = ctx.needs_input_grad[:6]
     if gz is None:
@@ -242,20 +274,23 @@ def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
         # dot are constants to autograd (non-differentiable outputs), so the
         # forward is recomputed with PyTorch ops and the backward formula,
         # written with PyTorch ops too, is applied to it: exact second
-        # derivatives (autograd of both), at the PyTorch path's speed.
-        _, alpha, u, y, dot = _forward_torch(v, qs, qd, ks, kd, beta, rowptr, col, row,
-                                             use_abs, rotate)
+        # derivatives (autograd of both), at the PyTorch path's speed. The scale
+        # is a constant (it gets no gradient, so none of second order either).
+        scale = scale.detach()
+        _, alpha, u, y, dot = _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col,
+                                             row, use_abs, rotate)
         gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
-            gz, galpha, v, qs, qd, ks, kd, beta, col, row, alpha, dot, u, y, use_abs,
+            gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
             rotate, nv, (nqs or nqd) and rotate, (nks or nkd) and ks.size(-1) > 0)
     else:
         gv, gqs, gqd, gks, gkd, gbeta = attend_backward(
             gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd,
-            ks, kd, beta, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u, y,
-            use_abs, rotate, nv, nqs or nqd, nks or nkd)
+            ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u,
+            y, use_abs, rotate, nv, nqs or nqd, nks or nkd)
     return (gv if nv else None, gqs if nqs and gqs.numel() else None,
             gqd if nqd and gqd.numel() else None, gks if nks and gks.numel() else None,
             gkd if nkd and gkd.numel() else None, gbeta if nbeta else None,
+            None,  # scale: a constant (a dropout mask)
             None, None, None, None, None, None, None, None)
 
 
@@ -265,8 +300,8 @@ for _device in ("cpu", "cuda"):
 
 
 def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_src: Tensor,
-               k_dst: Tensor, beta: Tensor, graph: GraphCSR,
-               use_abs: bool = False) -> Tuple[Tensor, Tensor]:
+               k_dst: Tensor, beta: Tensor, graph: GraphCSR, use_abs: bool = False,
+               edge_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r"""QSV attention of ``graph`` (see the module docstring).
 
     Args:
@@ -278,10 +313,16 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
         beta: routing temperatures ``[H]``.
         graph: the :class:`~qsv_pyg.nn.csr.GraphCSR` (``N_dst`` targets).
         use_abs: route by :math:`|\langle k_i, k_j \rangle|`.
+        edge_scale: an optional per-edge scale :math:`s_{ij}` ``[E, H]`` of the
+            aggregation, in the graph's target-sorted edge order (the order of
+            the returned weights): :math:`y_i = \sum_j \alpha_{ij} s_{ij} u_j`.
+            Attention dropout passes its mask divided by :math:`1 - p`. A
+            constant to autograd: no gradient flows to it.
 
     Returns:
         ``z`` ``[N_dst, H, M, 4]`` and the attention weights ``[E, H]`` in the
-        graph's target-sorted edge order.
+        graph's target-sorted edge order: the unscaled softmax :math:`\alpha`
+        also with ``edge_scale`` (multiply it in for the weights actually used).
     """
     ns, heads = v.shape[:2]
     nd = graph.rowptr.numel() - 1
@@ -298,6 +339,11 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
                          f"must be [{ns}, {heads}, D] and [{nd}, {heads}, D]")
     if beta.shape != (heads, ):
         raise ValueError(f"qsv_attend: beta {tuple(beta.shape)} must be [{heads}]")
+    num_edges = graph.col.numel()
+    if edge_scale is not None and edge_scale.shape != (num_edges, heads):
+        raise ValueError(f"qsv_attend: edge_scale {tuple(edge_scale.shape)} must be "
+                         f"[E, H] = [{num_edges}, {heads}] (one per edge and head, in the "
+                         f"graph's target-sorted edge order)")
     # The operator computes in float32 (float64 for float64 features): half-precision
     # features are widened, and the quaternions, keys and β are never rounded to the
     # features' dtype (a bf16 quaternion is off the unit sphere by up to ~6e-3).
@@ -306,9 +352,11 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
     dt = torch.promote_types(v.dtype, torch.float32)
     out_dt = dt if torch.is_autocast_enabled(v.device.type) else v.dtype
     empty = v.new_empty(0, heads, 4, dtype=dt)
+    scale = v.new_empty(0, heads, dtype=dt) if edge_scale is None else \
+        edge_scale.to(dt).contiguous()
     z, alpha, _, _, _ = attend(
         v.to(dt).contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
         empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
-        k_dst.to(dt).contiguous(), beta.to(dt), graph.rowptr, graph.col, graph.row,
+        k_dst.to(dt).contiguous(), beta.to(dt), scale, graph.rowptr, graph.col, graph.row,
         graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
     return z.to(out_dt), alpha.to(out_dt)

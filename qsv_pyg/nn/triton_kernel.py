@@ -8,14 +8,18 @@ forward
     ``rotate_rows`` writes ``u = Q_j v_j`` (returned: the backward reads it);
     ``forward_rows``, one program per target and tile of heads, walks the
     target's CSR row once with an online softmax (running max and sum) and
-    accumulates ``y`` in float32, then ``z = Q_i^T y``; a second walk over the
-    row touches only ``[deg, H]`` logits, to write the normalised weights.
+    accumulates ``y`` in float32 (each weight times the edge's optional
+    ``scale``), then ``z = Q_i^T y``; a second walk over the row touches only
+    ``[deg, H]`` logits, to write the normalised (unscaled) weights.
 backward
     ``backward_rows`` (pass A, per target): ``gy = Q_i gz``, the softmax
     backward, d beta (per target, summed after), d kd, d qd, and the logit
     gradient per edge ``[E, H]``; ``backward_cols`` (pass B, per source over
     the transposed CSR ``rowptr_t / perm_t / row_t``): d v, d qs, d ks, with
     ``gy`` recomputed from ``gz``. No float atomics: deterministic.
+
+Without a scale (an empty tensor) the kernels are compiled without it
+(``HAS_SCALE``, a constexpr): no load, no multiply.
 
 Nothing of size ``[E, H, C]`` is stored; per edge only the ``[E, H]`` weights
 and key products the operator returns anyway, and one ``[E, H]`` float32
@@ -151,14 +155,25 @@ def _check_graph(rowptr: Tensor, col: Tensor, num_src: int) -> None:
                         "non-decreasing from 0 to E, col within [0, N_src))")
 
 
+def _check_scale(scale: Tensor, E: int, H: int) -> bool:
+    """Whether there is a scale (empty: none); else it must be ``[E, H]``."""
+    if scale.numel() == 0:
+        return False
+    if scale.shape != (E, H):
+        raise RuntimeError(f"qsv_pyg triton: scale {tuple(scale.shape)} must be empty or "
+                           f"[E, H] = [{E}, {H}]")
+    return True
+
+
 def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
-            rowptr: Tensor, col: Tensor, use_abs: bool, rotate: bool):
+            scale: Tensor, rowptr: Tensor, col: Tensor, use_abs: bool, rotate: bool):
     """``(z, alpha, u, y, dot)`` as ``qsv_pyg::attend``."""
-    v, qs, qd, ks, kd, beta, rowptr, col = (t.contiguous() for t in
-                                            (v, qs, qd, ks, kd, beta, rowptr, col))
+    v, qs, qd, ks, kd, beta, scale, rowptr, col = (
+        t.contiguous() for t in (v, qs, qd, ks, kd, beta, scale, rowptr, col))
     s = _Setup(v, ks)
     Ns, Nd, E = v.size(0), rowptr.numel() - 1, col.numel()
     _check_graph(rowptr, col, Ns)
+    scaled = _check_scale(scale, E, s.H)
     u = torch.empty_like(v) if rotate else v.new_empty(0)
     y = v.new_empty(Nd, s.H, s.M, 4) if rotate else v.new_empty(0)
     z = v.new_empty(Nd, s.H, s.M, 4)
@@ -171,24 +186,26 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     if Nd:
         s.k.forward_rows[(Nd, s.head_tiles)](
             u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v), beta,
-            rowptr, col, _nonempty(y, z), z, _nonempty(alpha, z), _nonempty(dot, z), s.H,
-            s.M, s.D, USE_ABS=use_abs, ROTATE=rotate, HAS_KEYS=s.D > 0, ACC=s.acc,
-            BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
+            _nonempty(scale, v), rowptr, col, _nonempty(y, z), z, _nonempty(alpha, z),
+            _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs, ROTATE=rotate,
+            HAS_KEYS=s.D > 0, HAS_SCALE=scaled, ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM,
+            BD=s.BD)
     return z, alpha, u, y, dot
 
 
 def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Tensor,
-             ks: Tensor, kd: Tensor, beta: Tensor, rowptr: Tensor, col: Tensor,
-             rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, alpha: Tensor, u: Tensor,
-             y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
+             ks: Tensor, kd: Tensor, beta: Tensor, scale: Tensor, rowptr: Tensor,
+             col: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, alpha: Tensor,
+             u: Tensor, y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
              need_k: bool):
     """``(gv, gqs, gqd, gks, gkd, gbeta)`` as ``qsv_pyg::attend_backward``
     (``need_q`` / ``need_k`` already cleared without rotation / keys)."""
-    gz, v, qs, qd, ks, kd, beta, alpha, u, y = (t.contiguous() for t in (
-        gz, v, qs, qd, ks, kd, beta, alpha, u, y))
+    gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y = (t.contiguous() for t in (
+        gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y))
     galpha = None if galpha is None else galpha.contiguous()
     s = _Setup(v, ks)
     Ns, Nd, E = v.size(0), rowptr.numel() - 1, col.numel()
+    scaled = _check_scale(scale, E, s.H)
     opts = dict(dtype=v.dtype, device=v.device)
 
     def maybe(need: bool, *shape) -> Tensor:  # distinct empty tensors: no aliasing
@@ -203,18 +220,20 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
     if Nd:
         s.k.backward_rows[(Nd, s.head_tiles)](
             gz, v if galpha is None else galpha, u if rotate else v, _nonempty(qd, v),
-            _nonempty(ks, v), _nonempty(kd, v), beta, rowptr, col, _nonempty(alpha, v),
-            _nonempty(y, v), _nonempty(gd, gbeta_part), gbeta_part, _nonempty(gqd, v),
-            _nonempty(gkd, v), s.H, s.M, s.D, USE_ABS=use_abs, ROTATE=rotate,
-            HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None, NEED_Q=need_q, NEED_K=need_k,
-            ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
+            _nonempty(ks, v), _nonempty(kd, v), beta, _nonempty(scale, v), rowptr, col,
+            _nonempty(alpha, v), _nonempty(y, v), _nonempty(gd, gbeta_part), gbeta_part,
+            _nonempty(gqd, v), _nonempty(gkd, v), s.H, s.M, s.D, USE_ABS=use_abs,
+            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None,
+            HAS_SCALE=scaled, NEED_Q=need_q, NEED_K=need_k, ACC=s.acc, BE=s.BE, BH=s.BH,
+            BM=s.BM, BD=s.BD)
     need_u = need_v or need_q
     if Ns and (need_u or need_k):
         s.k.backward_cols[(Ns, s.head_tiles)](
             gz if Nd else v, v, _nonempty(qs, v), _nonempty(qd, v), _nonempty(kd, v),
-            _nonempty(alpha, v), _nonempty(gd, gbeta_part), rowptr_t.contiguous(),
-            perm_t.contiguous(), row_t.contiguous(), _nonempty(gv, v), _nonempty(gqs, v),
-            _nonempty(gks, v), s.H, s.M, s.D, ROTATE=rotate, NEED_U=need_u, NEED_V=need_v,
-            NEED_Q=need_q, NEED_K=need_k, ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
+            _nonempty(alpha, v), _nonempty(scale, v), _nonempty(gd, gbeta_part),
+            rowptr_t.contiguous(), perm_t.contiguous(), row_t.contiguous(), _nonempty(gv, v),
+            _nonempty(gqs, v), _nonempty(gks, v), s.H, s.M, s.D, ROTATE=rotate,
+            HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v, NEED_Q=need_q, NEED_K=need_k,
+            ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
     gbeta = gbeta_part.sum(0).to(beta.dtype)
     return gv, gqs, gqd, gks, gkd, gbeta
