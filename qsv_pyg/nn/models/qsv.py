@@ -73,15 +73,14 @@ class QSV(BasicGNN):
             (and of the attention coefficients, as in ``GAT``, unless
             ``attention_dropout`` is given). (default: :obj:`0.`)
         attention_dropout (float, optional): Dropout probability of the
-            attention coefficients; :obj:`None` means ``dropout``. Attention
-            dropout while training keeps :class:`~qsv_pyg.nn.QSVConv` on its
-            message-passing path; ``0.0`` lets it use its fused kernels.
+            attention coefficients; :obj:`None` means ``dropout``. (It runs on
+            :class:`~qsv_pyg.nn.QSVConv`'s fused kernels, as a per-edge mask.)
             (default: :obj:`None`)
         act, act_first, act_kwargs, norm, norm_kwargs, jk: As in
             :class:`~torch_geometric.nn.models.basic_gnn.BasicGNN`.
         **kwargs (optional): Additional arguments of
             :class:`~qsv_pyg.nn.QSVConv` (``add_self_loops``, ``root_weight``,
-            ``beta_init``, ``learn_beta``, ``dense_path``, ...).
+            ``project_input``, ``beta_init``, ``learn_beta``, ``dense_path``, ...).
 
     Shapes:
         - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge indices
