@@ -1,0 +1,316 @@
+"""examples/tu_graphs.py at a tiny size: the fair-comparison TU table (Errica et al.
+2020) on MUTAG and IMDB-BINARY from the shared data folder (skipped where it is
+absent). Nothing is written into the shared folder: the caches and run folders
+are temporary directories."""
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"  # compare.DEFAULT_DATA_ROOT
+TU = DATA_ROOT / "TUDataset"
+
+pytestmark = [
+    pytest.mark.skipif(not (TU / "MUTAG" / "raw").is_dir(),
+                       reason=f"no TU data at {TU / 'MUTAG' / 'raw'}"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+#: The tiny MUTAG table: 2 of the 10 folds, 15 epochs, three rows.
+TINY = ["--dataset", "MUTAG", "--folds", "10", "--max-folds", "2", "--epochs", "15",
+        "--patience", "15", "--models", "QSV,GIN,MLP", "--no-progress"]
+
+
+def listing(root: Path) -> list:
+    """Every path under ``root`` with its size and modification time."""
+    if not root.is_dir():
+        return []
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def tu():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        module = importlib.import_module("tu_graphs")
+        yield module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_folder_untouched():
+    before = listing(TU)
+    yield
+    assert listing(TU) == before, "the tests wrote into the shared data folder"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tu-cache")
+
+
+@pytest.fixture(scope="module")
+def mutag(tu, tmp_path_factory, cache):
+    """The tiny MUTAG table, trained once for the module: (out root, table, seconds)."""
+    out = tmp_path_factory.mktemp("tu-out")
+    start = time.perf_counter()
+    text = tu.main(TINY + ["--out-root", str(out), "--cache-root", str(cache)])
+    return out, text, time.perf_counter() - start
+
+
+def args(out: Path, cache: Path) -> list:
+    return TINY + ["--out-root", str(out), "--cache-root", str(cache)]
+
+
+def units_by_model(out: Path, tu) -> dict:
+    units: dict = {}
+    for config, metrics in tu.compare.read_units(out):
+        units.setdefault(config["model"], []).append((config, metrics))
+    return units
+
+
+# ------------------------------------------------------------------ learning
+def test_mutag_rows_learn_above_chance_quickly(tu, mutag):
+    out, text, seconds = mutag
+    units = units_by_model(out, tu)
+    assert set(units) == {"QSV", "GIN", tu.BASELINE}
+    for model, group in units.items():
+        assert sorted(c["fold"] for c, _ in group) == [0, 1]
+        mean = statistics.fmean(m["test_acc"] for _, m in group)
+        # MUTAG's majority class is 66.5%; 15 epochs on 2 folds (19 test graphs each).
+        assert mean >= 0.6, (model, mean)
+    qsv = statistics.fmean(m["test_acc"] for _, m in units["QSV"])
+    assert qsv > 0.5
+    assert seconds < 60, f"the tiny MUTAG table took {seconds:.0f} s"
+    assert "| QSV |" in text and "(2/10 folds)" in text
+
+
+def test_unit_files(tu, mutag):
+    out, _, _ = mutag
+    folder = out / "MUTAG" / "qsv" / "fold0"
+    config = json.loads((folder / "config.json").read_text())
+    metrics = json.loads((folder / "metrics.json").read_text())
+    log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    assert config["dataset"] == "MUTAG" and config["model"] == "QSV" and config["fold"] == 0
+    assert config["hp"]["qsv_options"] == tu.QSV_OPTIONS
+    assert len(log) == metrics["epochs_run"]
+    assert {"epoch", "train_loss", "val_acc", "test_acc", "seconds"} <= set(log[0])
+    best = log[metrics["selected_epoch"] - 1]
+    assert best["val_acc"] == metrics["val_acc"] == max(r["val_acc"] for r in log)
+    assert best["test_acc"] == metrics["test_acc"]
+    for key in ("params", "time_per_epoch", "ms_per_epoch", "cpu", "versions"):
+        assert key in metrics
+    assert metrics["qsv_paths"] and all(p.startswith("attend_shared") for p in metrics["qsv_paths"])
+    # The tables: overall, costs and per dataset.
+    for stem in ("table", "costs", "MUTAG/table"):
+        for suffix in (".md", ".csv", ".json"):
+            assert (out / f"{stem}{suffix}").is_file()
+    table = json.loads((out / "table.json").read_text())
+    assert any(row["model"].startswith("GIN-0 [Xu") for row in table["rows"])
+
+
+def test_early_stopping_selects_the_last_best_validation_epoch(tu, tmp_path, cache):
+    out = tmp_path / "out"
+    tu.main(["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "40", "--patience", "3",
+             "--models", "MLP", "--no-progress", "--out-root", str(out),
+             "--cache-root", str(cache)])
+    folder = out / "MUTAG" / "mlp-sum" / "fold0"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    vals = [json.loads(line)["val_acc"] for line in (folder / "log.jsonl").read_text().splitlines()]
+    best = max(vals)
+    selected = len(vals) - vals[::-1].index(best)  # the last epoch of the best accuracy
+    assert metrics["selected_epoch"] == selected and metrics["val_acc"] == best
+    assert metrics["epochs_run"] == len(vals) == min(40, selected + 3)
+    assert metrics["stopped_early"] == (len(vals) < 40)
+
+
+# -------------------------------------------------------------------- splits
+def test_splits_stratified_disjoint_covering_and_reused(tu, mutag):
+    out, _, _ = mutag
+    saved = json.loads((out / "MUTAG" / "splits.json").read_text())
+    labels = np.asarray(tu.prepare_dataset("MUTAG", DATA_ROOT, out.parent / "c2",
+                                           tu.NODE_ATTRIBUTES)["labels"])
+    n, k = len(labels), saved["folds"]
+    assert saved["num_graphs"] == n == 188 and k == 10
+    counts = np.bincount(labels)
+    tests = []
+    for fold in saved["splits"]:
+        train, val, test = (np.asarray(fold[p]) for p in ("train", "val", "test"))
+        assert not set(train) & set(val) and not set(train) & set(test) \
+            and not set(val) & set(test)
+        assert sorted(np.concatenate([train, val, test]).tolist()) == list(range(n))
+        for c, total in enumerate(counts):
+            assert abs(int((labels[test] == c).sum()) - total / k) <= 1
+            rest = int((labels[np.concatenate([train, val])] == c).sum())
+            assert abs(int((labels[val] == c).sum()) - 0.1 * rest) <= 1
+        tests.append(test)
+    assert sorted(np.concatenate(tests).tolist()) == list(range(n))  # every graph tested once
+    # Seeded: the same splits again; and the saved file is what a rerun reads.
+    assert tu.make_splits(labels.tolist(), 10) == [
+        {p: f[p] for p in ("train", "val", "test")} for f in saved["splits"]]
+    spec = {"name": "MUTAG", "num_graphs": n, "labels": labels.tolist()}
+    assert tu.load_or_make_splits(out / "MUTAG" / "splits.json", spec, 10) == \
+        tu.make_splits(labels.tolist(), 10)
+
+
+def test_splits_of_other_folds_are_refused(tu, mutag, cache, capsys):
+    out, _, _ = mutag
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(["--dataset", "MUTAG", "--folds", "5", "--max-folds", "1", "--epochs", "1",
+                 "--models", "MLP", "--no-progress", "--out-root", str(out),
+                 "--cache-root", str(cache)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "10-fold" in err[0] and "splits.json" in err[0]
+
+
+def test_stratified_folds_on_many_classes(tu):
+    labels = [c for c in range(6) for _ in range(100)]  # ENZYMES' 6 x 100
+    splits = tu.make_splits(labels, 10)
+    y = np.asarray(labels)
+    for fold in splits:
+        assert np.bincount(y[fold["test"]], minlength=6).tolist() == [10] * 6
+        assert np.bincount(y[fold["val"]], minlength=6).tolist() == [9] * 6
+
+
+def test_attributes_standardised_on_the_training_graphs_only(tu):
+    import torch
+    from torch_geometric.data import Data
+    graphs = [Data(x=torch.tensor([[float(10 * i), 1.0, 0.0], [float(10 * i + 2), 0.0, 1.0]]),
+                   edge_index=torch.empty(2, 0, dtype=torch.long)) for i in range(4)]
+    out = tu.standardised(graphs, [0, 1], 1)
+    train = torch.cat([out[i].x[:, 0] for i in (0, 1)])
+    assert abs(float(train.mean())) < 1e-6 and abs(float(train.std()) - 1) < 1e-6
+    assert all(torch.equal(o.x[:, 1:], g.x[:, 1:]) for o, g in zip(out, graphs))  # labels kept
+    assert float(graphs[3].x[0, 0]) == 30.0  # the originals are not modified
+    assert tu.standardised(graphs, [0, 1], 0) is graphs
+
+
+# -------------------------------------------------------------- reuse/resume
+def test_rerun_trains_nothing_and_report_only_rebuilds_the_table(tu, mutag, cache,
+                                                                 monkeypatch):
+    out, text, _ = mutag
+    before = listing(out)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished unit was trained again")
+
+    monkeypatch.setattr(tu, "train_unit", no_training)
+    again = tu.main(args(out, cache))
+    assert again == text
+    assert tu.main(["--report-only", "--out-root", str(out)]) == text
+    units = [p for p in before if p[0].endswith(("metrics.json", "log.jsonl", "config.json"))]
+    assert units and all(p in listing(out) for p in units)  # untouched run files
+
+
+def test_unfinished_unit_is_restarted(tu, tmp_path, cache):
+    out = tmp_path / "out"
+    run = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "2", "--patience", "2",
+           "--models", "MLP", "--no-progress", "--out-root", str(out),
+           "--cache-root", str(cache)]
+    tu.main(run)
+    folder = out / "MUTAG" / "mlp-sum" / "fold0"
+    first = json.loads((folder / "metrics.json").read_text())
+    (folder / "metrics.json").unlink()  # as if interrupted before its end
+    tu.main(run)
+    second = json.loads((folder / "metrics.json").read_text())
+    assert len((folder / "log.jsonl").read_text().splitlines()) == second["epochs_run"]
+    assert second["test_acc"] == first["test_acc"]  # seeded: the same training
+
+
+def test_worker_processes_give_the_same_units(tu, tmp_path, cache):
+    """--jobs 2 trains in spawned workers; the units match an in-process run."""
+    results = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}"
+        tu.main(["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "2", "--patience",
+                 "2", "--models", "QSV,MLP", "--jobs", jobs, "--no-progress",
+                 "--out-root", str(out), "--cache-root", str(cache)])
+        results.append({(c["model"], c["fold"]): (m["selected_epoch"], m["val_acc"],
+                                                  m["test_acc"], m["params"])
+                        for c, m in tu.compare.read_units(out)})
+    assert len(results[0]) == 2 and results[0] == results[1]
+
+
+def test_unit_order_keeps_folds_whole(tu):
+    order = tu.unit_order(["MUTAG", "NCI1"], 2, ["QSV", "GIN"])
+    assert order == [("MUTAG", 0, "QSV"), ("MUTAG", 0, "GIN"), ("MUTAG", 1, "QSV"),
+                     ("MUTAG", 1, "GIN"), ("NCI1", 0, "QSV"), ("NCI1", 0, "GIN"),
+                     ("NCI1", 1, "QSV"), ("NCI1", 1, "GIN")]
+
+
+# --------------------------------------------------------- one-hot degrees
+@pytest.mark.skipif(not (TU / "IMDB-BINARY" / "raw").is_dir(), reason="no IMDB-BINARY")
+def test_imdb_binary_gets_one_hot_degrees(tu, tmp_path, cache):
+    from torch_geometric.utils import degree
+    spec = tu.prepare_dataset("IMDB-BINARY", DATA_ROOT, cache, tu.NODE_ATTRIBUTES)
+    assert spec["max_degree"] is not None and spec["num_features"] == spec["max_degree"] + 1
+    graphs = tu.load_graphs(spec)
+    assert len(graphs) == spec["num_graphs"] == 1000
+    for graph in graphs[:50]:
+        x = graph.x
+        assert x.shape == (graph.num_nodes, spec["num_features"])
+        assert set(x.unique().tolist()) <= {0.0, 1.0} and bool((x.sum(1) == 1).all())
+        deg = degree(graph.edge_index[0], graph.num_nodes).long()
+        assert bool((x.argmax(1) == deg).all())
+    out = tmp_path / "out"
+    text = tu.main(["--dataset", "IMDB-BINARY", "--max-folds", "1", "--epochs", "2",
+                    "--patience", "2", "--models", "QSV,MLP", "--no-progress",
+                    "--out-root", str(out), "--cache-root", str(cache)])
+    config = json.loads((out / "IMDB-BINARY" / "qsv" / "fold0" / "config.json").read_text())
+    assert config["features"].startswith("one-hot degree")
+    assert "IMDB-BINARY" in text and "71.2 ± 3.9" in text  # Errica's GIN beside ours
+
+
+@pytest.mark.skipif(not (TU / "ENZYMES" / "raw").is_dir(), reason="no ENZYMES")
+def test_enzymes_gets_its_18_attributes(tu, cache):
+    spec = tu.prepare_dataset("ENZYMES", DATA_ROOT, cache, tu.NODE_ATTRIBUTES)
+    assert (spec["num_features"], spec["num_attributes"], spec["num_classes"]) == (21, 18, 6)
+    assert "18 continuous node attributes" in spec["features"]
+    plain = tu.prepare_dataset("ENZYMES", DATA_ROOT, cache, ())
+    assert (plain["num_features"], plain["num_attributes"]) == (3, 0)
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv, needle", [
+    (["--dataset", "NO-SUCH-SET"], "NO-SUCH-SET"),
+    (["--dataset", "MUTAG", "--data-root", "/nonexistent/data"], "/nonexistent/data"),
+    (["--dataset", "MUTAG", "--models", "XYZ"], "XYZ"),
+    (["--dataset", "MUTAG", "--max-folds", "11"], "--max-folds"),
+    (["--dataset", "MUTAG", "--jobs", "0"], "--jobs"),
+])
+def test_bad_input_exits_2_with_one_line(tu, tmp_path, cache, capsys, argv, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(argv + ["--out-root", str(tmp_path / "out"), "--cache-root", str(cache),
+                        "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.json"))
+
+
+def test_changed_settings_are_refused_not_mixed(tu, mutag, cache, capsys):
+    out, _, _ = mutag
+    changed = [a if a != "15" else "16" for a in args(out, cache)]  # --epochs 16 --patience 16
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(changed)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "different configuration" in err[0]
+
+
+def test_report_only_without_units_exits_2(tu, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(["--report-only", "--out-root", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
