@@ -1,0 +1,215 @@
+"""examples/citation.py: Planetoid under gat.py's protocol, at a tiny size.
+
+The training tests need the shared Planetoid files (``<data root>/Planetoid/Cora/raw``,
+the data root being ``$QSV_PYG_DATA`` or ``compare.DEFAULT_DATA_ROOT``) and skip
+cleanly where they are absent. Nothing is written into the data root: the dataset
+is processed in a copy under ``tmp_path`` (asserted by listing the shared folder
+before and after).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROWS = "GATConv,QSVConv recipe"
+EPOCHS = 20
+
+
+@pytest.fixture(scope="module")
+def citation():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXAMPLES))
+        yield importlib.import_module("citation")
+
+
+def data_root() -> Path:
+    env = os.environ.get("QSV_PYG_DATA")
+    if env:
+        return Path(env)
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module("compare").DEFAULT_DATA_ROOT
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def cora_or_skip() -> Path:
+    root = data_root()
+    if not (root / "Planetoid" / "Cora" / "raw").is_dir():
+        pytest.skip(f"no Planetoid Cora files under {root} (set QSV_PYG_DATA)")
+    return root
+
+
+def listing(folder: Path):
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in folder.rglob("*"))
+
+
+def argv(root: Path, tmp: Path, *extra: str):
+    return ["--data-root", str(root), "--cache-root", str(tmp / "cache"),
+            "--out-root", str(tmp / "out"), "--models", ROWS, "--seeds", "1",
+            "--epochs", str(EPOCHS), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(citation, tmp_path_factory):
+    """One tiny run (GATConv and the QSVConv recipe, 1 seed, 20 epochs)."""
+    root = cora_or_skip()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("citation")
+    before = listing(root / "Planetoid")
+    rows = citation.main(argv(root, tmp))
+    return {"root": root, "tmp": tmp, "rows": rows, "before": before,
+            "units": citation.compare.read_units(tmp / "out" / "Cora")}
+
+
+def test_trains_above_chance_and_leaves_the_shared_folder_alone(trained):
+    # Cora: 7 classes; the largest holds 30% of the test nodes.
+    acc = {config["row"]: metrics["test_acc"] for config, metrics in trained["units"]}
+    assert set(acc) == {"GATConv", "QSVConv recipe"}
+    assert acc["GATConv"] > 0.5 and acc["QSVConv recipe"] > 0.5, acc
+    assert listing(trained["root"] / "Planetoid") == trained["before"]
+    # The copy was processed in the cache, not in the shared folder.
+    assert (trained["tmp"] / "cache" / "Cora" / "processed").is_dir()
+    out = trained["tmp"] / "out" / "Cora"
+    for stem in ("table.md", "table.csv", "table.json"):
+        assert (out / stem).is_file()
+    unit = out / "gatconv" / "seed0"
+    log = [json.loads(line) for line in (unit / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == list(range(1, EPOCHS + 1))
+    assert set(log[0]) >= {"epoch", "loss", "val_acc", "test_acc", "seconds"}
+    metrics = json.loads((unit / "metrics.json").read_text())
+    best = max(log, key=lambda r: (r["val_acc"], -r["epoch"]))  # first best epoch
+    assert metrics["best_epoch"] == best["epoch"] and metrics["test_acc"] == best["test_acc"]
+    assert metrics["params"] == 92_373  # gat.py's network on Cora
+    assert metrics["ms_per_epoch"] > 0 and metrics["cpu"] and metrics["torch"]
+    rows = {r["row"]: r for r in trained["rows"]}
+    assert rows["GATConv"]["published"] == "83.0 ± 0.7"
+    assert rows["GATConv"]["ms/epoch vs GATConv"] == "1.00×"
+    assert rows["QSVConv recipe"]["published"] == "–"
+
+
+def test_rerun_reuses_units_and_report_only_rebuilds_the_table(citation, trained,
+                                                               monkeypatch, capsys):
+    out = trained["tmp"] / "out"
+    table = (out / "Cora" / "table.md").read_text()
+    logs = {p: p.stat().st_mtime_ns for p in out.rglob("log.jsonl")}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished unit was trained again")
+
+    monkeypatch.setattr(citation, "train_unit", no_training)
+    assert citation.main(argv(trained["root"], trained["tmp"])) == trained["rows"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("log.jsonl")} == logs
+    capsys.readouterr()
+    # No data needed: a data root that does not exist is never looked at.
+    rows = citation.main(["--report-only", "--out-root", str(out),
+                          "--data-root", str(trained["tmp"] / "nowhere")])
+    assert rows == trained["rows"]
+    assert (out / "Cora" / "table.md").read_text() == table
+    printed = capsys.readouterr().out
+    assert "| GATConv |" in printed and "| QSVConv recipe |" in printed
+
+
+def test_a_changed_config_in_an_existing_out_root_exits_2(citation, trained, capsys):
+    with pytest.raises(SystemExit) as info:
+        citation.main(argv(trained["root"], trained["tmp"], "--epochs", str(EPOCHS + 1)))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "epochs" in err and "different configuration" in err
+
+
+def test_unknown_dataset_exits_2(citation, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        citation.main(["--dataset", "Coraa", "--out-root", str(tmp_path / "out"),
+                       "--cache-root", str(tmp_path / "cache"), "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'Coraa'" in err and "CiteSeer" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_data_root_exits_2(citation, tmp_path, capsys):
+    missing = tmp_path / "no-such-root"
+    with pytest.raises(SystemExit) as info:
+        citation.main(["--data-root", str(missing), "--out-root", str(tmp_path / "out"),
+                       "--cache-root", str(tmp_path / "cache"), "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(missing / "Planetoid" / "Cora" / "raw") in err
+
+
+def test_missing_raw_files_are_named(citation, tmp_path, capsys):
+    root = cora_or_skip()
+    raw = tmp_path / "data" / "Planetoid" / "Cora" / "raw"
+    shutil.copytree(root / "Planetoid" / "Cora" / "raw", raw)
+    (raw / "ind.cora.graph").unlink()
+    (raw / "ind.cora.ty").unlink()
+    with pytest.raises(SystemExit) as info:
+        citation.main(["--data-root", str(tmp_path / "data"), "--no-progress",
+                       "--out-root", str(tmp_path / "out"),
+                       "--cache-root", str(tmp_path / "cache")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "ind.cora.graph" in err and "ind.cora.ty" in err and str(raw) in err
+
+
+def test_any_planetoid_name_laid_out_the_same_way_runs(citation, tmp_path):
+    """Cora's files under CiteSeer's names: the name reaches the folder, the file
+    names, the out root and the published column (72.5 on CiteSeer)."""
+    root = cora_or_skip()
+    raw = tmp_path / "data" / "Planetoid" / "CiteSeer" / "raw"
+    raw.mkdir(parents=True)
+    for f in (root / "Planetoid" / "Cora" / "raw").iterdir():
+        shutil.copy(f, raw / f.name.replace("ind.cora.", "ind.citeseer."))
+    torch.set_num_threads(1)
+    rows = citation.main(["--dataset", "citeseer", "--data-root", str(tmp_path / "data"),
+                          "--cache-root", str(tmp_path / "cache"),
+                          "--out-root", str(tmp_path / "out"), "--models", "GATConv",
+                          "--seeds", "1", "--epochs", "2", "--no-progress"])
+    assert [r["row"] for r in rows] == ["GATConv"]
+    assert rows[0]["published"] == "72.5 ± 0.7"
+    assert (tmp_path / "out" / "CiteSeer" / "gatconv" / "seed0" / "metrics.json").is_file()
+
+
+def test_rows(citation):
+    names = [spec["name"] for spec in citation.ALL_ROWS]
+    assert names[:6] == ["GATConv", "GATv2Conv", "TransformerConv", "QSVConv literal",
+                         "QSVConv recipe", "QSV model"]
+    assert len(citation.DIAGNOSIS) <= 8
+    assert len({citation.slug(n) for n in names}) == len(names)
+    assert citation.slug("QSVConv +loops -root") == "qsvconv_with-loops_no-root"
+    spec = {s["name"]: s for s in citation.ALL_ROWS}
+    # The literal drop-in takes exactly GATConv's arguments.
+    assert citation.model_kwargs(spec["QSVConv literal"], 1433, 7) == \
+        citation.model_kwargs(spec["GATConv"], 1433, 7)
+    # The recipe contains docs/usage.md's options.
+    assert citation.USAGE_RECIPE.items() <= spec["QSVConv recipe"]["extra"].items()
+    assert spec["QSV model"]["extra"] == spec["QSVConv recipe"]["extra"]
+
+
+def test_plain_init_replaces_the_near_identity_start(citation):
+    spec = {s["name"]: s for s in citation.ALL_ROWS}
+    row = spec["QSVConv +project init=glorot"]
+    default = dict(row, init="default")
+    kwargs = citation.model_kwargs(row, 20, 3)
+    torch.manual_seed(0)
+    near = citation.build(default, kwargs)
+    torch.manual_seed(0)
+    plain = citation.build(row, kwargs)
+    heads = kwargs["layer1"]["heads"]
+    identity = torch.tensor([1.0, 0, 0, 0]).repeat(heads)
+    assert torch.equal(near.conv1.lin_quat.bias, identity)
+    assert torch.equal(plain.conv1.lin_quat.bias, torch.zeros(4 * heads))
+    assert torch.equal(plain.conv2.lin_quat.bias, torch.zeros(4))
+    # Only the quaternion maps differ.
+    assert torch.equal(near.conv1.weight, plain.conv1.weight)

@@ -1,0 +1,224 @@
+"""examples/modelnet.py: ModelNet10 under rotations, on a tiny slice of the shared
+data (skipped where /work/shared/data/ModelNet10 or torch_cluster is absent).
+
+Nothing is written next to the data: every run folder lives under tmp_path, and
+the data folder's listing is compared before and after.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def modelnet(monkeypatch_module):
+    pytest.importorskip("torch_cluster")
+    monkeypatch_module.syspath_prepend(str(EXAMPLES))
+    torch.set_num_threads(1)
+    return importlib.import_module("modelnet")
+
+
+@pytest.fixture(scope="module")
+def data_root(modelnet):
+    import compare
+    root = Path(os.environ.get("QSV_DATA_ROOT", compare.DEFAULT_DATA_ROOT))
+    if not (root / "ModelNet10").is_dir() or not list((root / "ModelNet10").glob("*.npz")):
+        pytest.skip(f"no ModelNet10 npz under {root}")
+    return root
+
+
+def _listing(folder: Path):
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in folder.rglob("*"))
+
+
+TINY = ["--models", "QSV-geometric,GAT xyz", "--protocols", "aligned",
+        "--max-train", "200", "--max-test", "100", "--points", "128", "--epochs", "5",
+        "--batch-size", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(modelnet, data_root, tmp_path_factory):
+    """Two rows trained on aligned shapes (200 shapes of 128 points, 5 epochs),
+    tested aligned, z and SO3 (in this process: --jobs 1)."""
+    out = tmp_path_factory.mktemp("modelnet")
+    before = _listing(data_root / "ModelNet10")
+    rows = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    assert _listing(data_root / "ModelNet10") == before
+    return out, rows
+
+
+def _acc(rows, row, column):
+    return rows[row]["columns"][column][0]
+
+
+def test_tiny_run_learns_and_geometric_qsv_is_invariant(tiny_run):
+    out, rows = tiny_run
+    assert list(rows) == ["QSV-geometric", "GAT xyz"]
+    for row in rows:  # 10 classes: chance 0.1 (the largest class holds ~22 %)
+        assert _acc(rows, row, "aligned/aligned") > 0.2, row
+    geo = [_acc(rows, "QSV-geometric", c) for c in ("aligned/aligned", "aligned/z",
+                                                     "aligned/SO3")]
+    # The same 100 test shapes, rotated: the frames are recomputed from the rotated
+    # points and (with the tie-break) match the rotated aligned frames, so the
+    # predictions agree up to float rounding; one shape in 100 of slack.
+    assert max(geo) - min(geo) <= 0.01, geo
+    for name in ("table.md", "table.csv", "table.json", "accuracy.png",
+                 "published_modelnet40.md"):
+        assert (out / name).is_file(), name
+    unit = out / "ModelNet10" / "qsv-geometric" / "aligned" / "seed0"
+    log = (unit / "log.jsonl").read_text().splitlines()
+    assert len(log) == 5
+    import json
+    metrics = json.loads((unit / "metrics.json").read_text())
+    assert set(metrics["test"]) == {"aligned", "z", "so3"}
+    assert metrics["params"] > 0 and metrics["time_per_epoch"] > 0 and metrics["cpu"]
+    assert "torch_cluster" in metrics["versions"]
+
+
+def test_rerun_reuses_units_and_report_only_rebuilds(modelnet, data_root, tiny_run,
+                                                    monkeypatch, capsys):
+    out, rows = tiny_run
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished unit was trained again")
+
+    monkeypatch.setattr(modelnet, "train_unit", no_training)
+    again = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    assert again == rows
+    for name in ("table.md", "accuracy.png"):
+        (out / name).unlink()
+    capsys.readouterr()
+    modelnet.main(["--out-root", str(out), "--report-only"])
+    assert "| QSV-geometric |" in (out / "table.md").read_text()
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert "ModelNet40" in capsys.readouterr().out
+
+
+def test_geometric_qsv_logits_are_rotation_invariant(modelnet, data_root):
+    """Direct check: a QSV-geometric classifier's logits on 24 test shapes and on
+    randomly rotated copies of them (graphs and frames recomputed after rotation)."""
+    arrays = modelnet.load_arrays(next((data_root / "ModelNet10").glob("*.npz")), 256)
+    pos = modelnet.normalise(arrays["pos_test"][::38], 256, 0)
+    y = torch.from_numpy(arrays["y_test"][::38])
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    model = modelnet.build_model("QSV-geometric", 10, 16).eval()
+    idx = torch.arange(len(y))
+    with torch.no_grad():
+        aligned = model(modelnet.make_batch(modelnet.encode(pos, y, 16), idx, "geometric"))
+        for protocol in ("z", "so3"):
+            rot = modelnet.rotations(protocol, len(y), g)
+            rotated = model(modelnet.make_batch(
+                modelnet.encode(modelnet.rotate(pos, rot), y, 16), idx, "geometric"))
+            assert (rotated - aligned).abs().max() < 1e-4, protocol
+    # ... and the logits do depend on the shape (the check is not vacuous).
+    assert (aligned - aligned.mean(0)).abs().max() > 1e-2
+
+
+def test_encoding_matches_point_clouds_and_tie_break_fixes_planar_frames(modelnet,
+                                                                         data_root):
+    from qsv_pyg.geometry import matrix_to_quaternion
+    from qsv_pyg.quaternion import hamilton_product
+    point_clouds = importlib.import_module("point_clouds")
+    arrays = modelnet.load_arrays(next((data_root / "ModelNet10").glob("*.npz")), 512)
+    pos = modelnet.normalise(arrays["pos_test"][::90], 512, 0)  # 11 shapes
+    y = torch.from_numpy(arrays["y_test"][::90])
+    plain = modelnet.encode(pos, y, 16, frames="pca")
+    ref = point_clouds.encode(pos[3], int(y[3]), 16)
+    nbr = plain["nbr"][3].long().reshape(-1)
+    assert torch.equal(torch.stack([nbr, torch.arange(512).repeat_interleave(16)]),
+                       ref.edge_index)
+    for key in ("x_xyz", "x_local", "quat"):
+        assert torch.allclose(plain[key][3].double(), ref[key], atol=1e-5), key
+    # Frames after a rotation vs the rotated frames of the aligned shapes: the
+    # quaternions agree up to sign where the frames are consistent.
+    g = torch.Generator().manual_seed(1)
+    rot = modelnet.rotations("so3", len(y), g)
+    changed = {}
+    for frames in ("pca", "pca+centroid"):
+        a = modelnet.encode(pos, y, 16, frames=frames)
+        b = modelnet.encode(modelnet.rotate(pos, rot), y, 16, frames=frames)
+        q_rot = matrix_to_quaternion(rot.float())[:, None, :].expand_as(a["quat"])
+        expected = hamilton_product(q_rot, a["quat"])
+        agree = (expected * b["quat"]).sum(-1).abs()
+        changed[frames] = float((agree < 0.9998).double().mean())  # > ~2 degrees
+        # The local inputs are invariant wherever the frames are.
+        ok = agree >= 0.9998
+        assert torch.allclose(a["x_local"][ok], b["x_local"][ok], atol=1e-4)
+    assert changed["pca+centroid"] <= 1e-3 < changed["pca"], changed
+
+
+def _fails(modelnet, capsys, argv, needle):
+    with pytest.raises(SystemExit) as exc:
+        modelnet.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_bad_inputs_exit_2_with_one_line(modelnet, tmp_path, capsys):
+    out = ["--out-root", str(tmp_path / "out"), "--small", "--no-progress"]
+    _fails(modelnet, capsys, ["--data-root", str(tmp_path), *out], "no folder")
+    fake = tmp_path / "Fake"
+    fake.mkdir()
+    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+           "no .npz")
+    rng = np.random.default_rng(0)
+    np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
+             y_train=np.arange(6) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"))
+    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+           "y_test")
+    np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
+             y_train=np.arange(5) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"),
+             y_test=np.arange(3))
+    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+           "y_train")
+    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake",
+                              "--models", "NoSuchModel", *out], "NoSuchModel")
+    assert not (tmp_path / "out").exists()
+
+
+def test_any_modelnet_style_npz_runs(modelnet, tmp_path):
+    """A made-up 3-class npz in the same layout (without ``classes``) trains, both
+    protocols, in two worker processes (--jobs 2)."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "Blobs"
+    folder.mkdir()
+    np.savez(folder / "blobs.npz",
+             pos_train=(rng.normal(size=(24, 80, 3)) * [1, 2, 3]).astype("f4"),
+             y_train=np.arange(24) % 3,
+             pos_test=(rng.normal(size=(9, 80, 3)) * [1, 2, 3]).astype("f4"),
+             y_test=np.arange(9) % 3)
+    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+                          "--out-root", str(tmp_path / "out"), "--models", "QSV xyz,DGCNN,"
+                          "PointNet++", "--points", "64", "--epochs", "1", "--jobs", "2",
+                          "--no-progress"])
+    assert list(rows) == ["QSV xyz", "DGCNN", "PointNet++"]
+    for row in rows.values():
+        assert all(len(row["columns"][c]) == 1 for c in row["columns"])
+
+
+def test_cli_missing_folder_exits_2(tmp_path):
+    pytest.importorskip("torch_cluster")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "modelnet.py"), "--data-root",
+                           str(tmp_path), "--out-root", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no folder" in proc.stderr
