@@ -78,7 +78,7 @@ mean-pooled with a linear head (:class:`compare.PoolClassifier`): QSV-geometric
 4,909 parameters, QSV xyz 5,193, GAT 5,275, Transformer 5,208. All rows train
 with Adam (lr 0.01, cosine decay to 0 over the epochs), batch 32, cross-entropy.
 
-Budget (``--epochs``, default 8). CPU seconds per training epoch over the 3,991
+Budget (``--epochs``, default 5). CPU seconds per training epoch over the 3,991
 training shapes (512 points, k=16, batch 32, one thread; AMD EPYC, measured
 while other jobs shared the two cores), and the per-epoch re-encoding of SO3
 training (kNN graph, plus frames for the local rows):
@@ -97,9 +97,10 @@ One epoch of all 16 units (8 rows x 2 trainings) costs 2 x 651 + 117 = 1,419
 CPU-s. On top come the tests (forward passes over 3 x 908 or 908 shapes, about
 0.25 or 0.08 of a training epoch: ~200 s for all units) and, per worker, the
 encoding of the aligned training set and the three test sets (~55 s) and the
-imports. 8 epochs: 8 x 1,419 + ~350 = ~11,700 CPU-s = ~1.6 h on two cores with
-``--jobs 2`` (longest unit first; the longest, GAT local SO3, is 8 x 169 s =
-~23 min); 9 epochs would be ~1.8 h, leaving no margin on a shared machine.
+imports. 5 epochs: 5 x 1,419 + ~350 = ~7,450 CPU-s = ~1.0 h on two cores with
+``--jobs 2`` (longest unit first; the longest, GAT local SO3, is 5 x 169 s =
+~14 min). 8 epochs (~1.6 h) was the first plan; the committed table was run in
+one session beside the Cora and TU tables, so it got 5.
 
 Every unit trains in its own run folder
 ``<out-root>/<dataset>/<row>/<aligned|so3>/seed<k>/`` (``config.json``, one
@@ -108,7 +109,7 @@ Every unit trains in its own run folder
 ``<out-root>/accuracy.png`` and ``<out-root>/published_modelnet40.md`` from the
 folders. Run::
 
-    python examples/modelnet.py --jobs 2             # the full table (~1.6 h on 2 cores)
+    python examples/modelnet.py --jobs 2             # the full table (~1.0 h on 2 cores)
     python examples/modelnet.py --small --out-root /tmp/mn   # a smoke test
     python examples/modelnet.py --report-only
 """
@@ -788,7 +789,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-DEFAULTS = {"epochs": 8, "points": 512, "max_train": None, "max_test": None}
+DEFAULTS = {"epochs": 5, "points": 512, "max_train": None, "max_test": None}
 SMALL = {"epochs": 3, "points": 128, "max_train": 100, "max_test": 50}
 
 
