@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -254,18 +253,6 @@ def load(data_root: Path, name: str, cache_root: Path):
 
 
 # ------------------------------------------------------------------ training
-def source_commit() -> str:
-    """The git commit of the qsv_pyg checkout (``-dirty`` with local changes to
-    the package), or ``"unknown"``: the layer's speed depends on its code."""
-    package = Path(qsv_pyg.__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package,
-                              capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=package,
-                               capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def accuracies(model: torch.nn.Module, data) -> Tuple[float, float, float]:
@@ -316,7 +303,7 @@ def train_unit(model: torch.nn.Module, data, epochs: int,
             "eval_ms": 1000 * statistics.fmean(eval_seconds),
             "train_paths": paths, "torch": torch.__version__,
             "pyg": torch_geometric.__version__, "qsv_pyg": qsv_pyg.__version__,
-            "qsv_pyg_commit": source_commit(),
+            "qsv_pyg_commit": compare.source_commit(),
             "cpu": cpu_name(), "threads": torch.get_num_threads()}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -261,6 +262,23 @@ def finished_unit(folder: Path, config: Dict[str, Any]) -> Optional[Dict[str, An
         fail(f"{folder} holds a unit trained with a different configuration "
              f"({', '.join(changed)} differ); use another --out-root or remove the folder")
     return read_json(folder / "metrics.json")
+
+
+def source_commit() -> str:
+    """The git commit of the qsv_pyg checkout (``-dirty`` with local changes to the
+    package), or ``"unknown"``: a layer's speed depends on its code, so the example
+    scripts record it in every unit's ``metrics.json``."""
+    import qsv_pyg
+
+    package = Path(qsv_pyg.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package,
+                              capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=package,
+                               capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def run_unit(folder: Path, config: Dict[str, Any],

@@ -142,7 +142,6 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -426,18 +425,6 @@ def split_digest(split: Dict[str, List[int]]) -> str:
 
 
 # ------------------------------------------------------------------ training
-def source_commit() -> str:
-    """The git commit of the qsv_pyg checkout (``-dirty`` with local changes to
-    the package), or ``"unknown"``."""
-    package = Path(qsv_pyg.__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package,
-                              capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=package,
-                               capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def evaluate(model: torch.nn.Module, loader) -> Tuple[float, float]:
@@ -547,7 +534,7 @@ def train_unit(graphs: list, split: Dict[str, List[int]], spec: Dict[str, Any],
         "qsv_paths": paths, "cpu": cpu_name(), "threads": torch.get_num_threads(),
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "torch_geometric": torch_geometric.__version__,
-                     "qsv_pyg": qsv_pyg.__version__, "qsv_pyg_commit": source_commit(),
+                     "qsv_pyg": qsv_pyg.__version__, "qsv_pyg_commit": compare.source_commit(),
                      "numpy": np.__version__},
     }
 
