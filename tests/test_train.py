@@ -438,9 +438,25 @@ def test_process_clock_budget_and_threads(data_dir, tmp_path, fake_process_clock
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["stopped_early"] is True and metrics["stop_reason"] == "time_budget"
-    assert fake["cpu"] <= 4 * 30.0  # stopped after about two checks, not three epochs
+    # The run's start reading, then about two checks: not three epochs.
+    assert fake["cpu"] <= 5 * 30.0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["budget_clock"] == "process" and cfg["threads"] == 1
+
+
+def test_process_clock_budget_counts_from_the_run_start(data_dir, tmp_path, fake_process_clock):
+    """A run trained inside a process that already burned CPU (``--launcher in-process``,
+    a notebook, a test session) gets its whole budget: the clock counts from the run's
+    start, not from the process's (CI once stopped every run at 0 epochs)."""
+    fake = fake_process_clock(0.01)
+    fake["cpu"] = 10_000.0  # the process has used far more than the budget before the run
+    out = tmp_path / "run"
+    code = main(base_args(data_dir, out, "--epochs", "2", "--time-budget", "1",
+                          "--budget-clock", "process"))
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped_early"] is False, metrics
+    assert [line["epoch"] for line in read_log(out)] == [1, 2]
 
 
 def test_anneal_to_budget_ends_the_cosine_with_the_budget(data_dir, tmp_path, fake_process_clock):

@@ -87,7 +87,8 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: DistInfo,
-              t_start: float, run_folder: contextlib.ExitStack) -> Tuple[Run, LoopState]:
+              t_start: float, run_folder: contextlib.ExitStack,
+              cpu_start: Optional[float] = None) -> Tuple[Run, LoopState]:
     """Set a run up; ``run_folder`` holds the out-dir's lock until training ends.
 
     One function on purpose (over 80 lines): the steps read top to bottom and
@@ -162,7 +163,8 @@ def build_run(cfg: TrainConfig, resume_from, device: torch.device, dist_info: Di
 
     # The run's budget count continues across resumes (for marks and the runner).
     budget = TimeBudget(cfg.time_budget, cfg.budget_clock, t_start,
-                        *resuming.budget_so_far(ckpt) if ckpt is not None else ())
+                        *resuming.budget_so_far(ckpt) if ckpt is not None else (),
+                        cpu_start=cpu_start)
 
     # ---------------------------------------------------------------- 8. files
     backend = optimizer_backend(optimizer)

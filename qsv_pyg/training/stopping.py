@@ -52,19 +52,28 @@ class TimeBudget:
     Args:
         minutes: the budget of this process; ``None`` for no budget.
         clock: ``"wall"`` (elapsed since ``t_start``) or ``"process"`` (CPU
-            seconds of this process since it started; with a fixed thread count
-            runs then get equal compute even when other work shares the machine).
+            seconds this process spent since ``cpu_start``; with a fixed thread
+            count runs then get equal compute even when other work shares the
+            machine).
         t_start: :func:`wall_clock` reading when the process started the run.
         used_before: budget-clock seconds the run used in earlier processes.
         eval_before: seconds of mark evaluations in earlier processes.
+        cpu_start: :func:`process_clock` reading when the process started the
+            run; ``None`` reads it now. Never ``0``: a run trained inside a
+            longer-lived process (``--launcher in-process``, a notebook) must not
+            be charged the CPU time the process spent before the run began.
     """
 
     def __init__(self, minutes: Optional[float], clock: str, t_start: float,
-                 used_before: float = 0.0, eval_before: float = 0.0):
+                 used_before: float = 0.0, eval_before: float = 0.0,
+                 cpu_start: Optional[float] = None):
         self.minutes, self.clock = minutes, clock
         self.used_before, self.eval_before = used_before, eval_before
         self.charge = 0.0  # mark evaluations of this process
-        self.origin = t_start if clock == "wall" else 0.0
+        if clock == "wall":
+            self.origin = t_start
+        else:
+            self.origin = process_clock() if cpu_start is None else cpu_start
         self.last = self.origin  # the latest reading
 
     def now(self) -> float:

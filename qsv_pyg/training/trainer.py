@@ -151,14 +151,15 @@ def train(cfg: TrainConfig, resume_from: "str | os.PathLike[str] | None" = None)
     cfg = copy.deepcopy(cfg)  # private: the run sets its out_dir
     if not cfg.is_validated():
         cfg.validate()
-    t_start = stopping.wall_clock()
+    t_start, cpu_start = stopping.wall_clock(), stopping.process_clock()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     dist_info = init_distributed(device.type)
     try:
         with contextlib.ExitStack() as run_folder:  # holds the out-dir's lock
-            run, state = build_run(cfg, resume_from, device, dist_info, t_start, run_folder)
+            run, state = build_run(cfg, resume_from, device, dist_info, t_start, run_folder,
+                                   cpu_start=cpu_start)
             progress = _Progress()
             with stopping.InterruptFlag(distributed=dist_info.enabled) as interrupt:
                 stop_reason = _fit(run, state, progress, interrupt)
