@@ -21,5 +21,7 @@ $conv --graphs knn random --sizes 1024 4096 --ks 8 16 32 --channels 64 --heads 1
 $conv --graphs s2 --s2-nlat 32 --s2-cutoffs 0.1 0.16 --channels 128 --heads 8 \
     --repeats 3 --min-time 0.2 --out "$out/bench_conv_s2_cpu.json"
 python benchmarks/bench_train.py --batch-size 64 --out "$out/bench_train_cpu.json"
+# Cora: every examples/citation.py row's training step beside GATConv's (needs ../shared/data).
+python benchmarks/bench_cora.py --out "$out/bench_cora.json"
 python benchmarks/bench_train.py --models qsv attention-gat attention-transformer \
     --batch-size 64 --compile --no-stages --out "$out/bench_train_cpu_compile.json"

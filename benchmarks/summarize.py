@@ -134,13 +134,24 @@ def generic_table(payload: dict) -> str:
     return "\n".join(out)
 
 
+def cora_table(payload: dict) -> str:
+    """bench_cora.py: one training step per citation row, side by side."""
+    out = ["| row | parameters | ms/step | vs GATConv |", "|---|---|---|---|"]
+    for r in payload["rows"]:
+        out.append(f"| {r['row']} | {r['parameters']:,} | {r['step_ms']:.1f} | "
+                   f"{r['vs_gatconv']:.2f}× |")
+    return "\n".join(out)
+
+
 def main(paths: List[str]) -> None:
     for path in paths:
         with open(path) as f:
             payload = json.load(f)
         print(f"\n### {path}\n")
         results = payload.get("results") or payload.get("result")
-        if isinstance(results, list) and results and "layers" in results[0]:
+        if "rows" in payload and payload["rows"] and "vs_gatconv" in payload["rows"][0]:
+            print(cora_table(payload))
+        elif isinstance(results, list) and results and "layers" in results[0]:
             print(conv_tables(payload))
         elif isinstance(results, dict) and "train_images_per_s" in next(iter(results.values()), {}):
             print(train_tables(payload))

@@ -213,3 +213,29 @@ def test_plain_init_replaces_the_near_identity_start(citation):
     assert torch.equal(plain.conv2.lin_quat.bias, torch.zeros(4))
     # Only the quaternion maps differ.
     assert torch.equal(near.conv1.weight, plain.conv1.weight)
+
+
+def test_bench_cora_times_rows_side_by_side(tmp_path, capsys):
+    """benchmarks/bench_cora.py: the citation rows' training steps, one JSON, GATConv
+    as the anchor (added when not asked for), unknown rows refused."""
+    root = cora_or_skip()
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(bench))
+        bench_cora = importlib.import_module("bench_cora")
+        before = listing(root / "Planetoid")
+        out = tmp_path / "bench_cora.json"
+        payload = bench_cora.main(["--data-root", str(root), "--rows", "QSVConv recipe",
+                                   "--quick", "--cache-root", str(tmp_path / "cache"),
+                                   "--out", str(out)])
+        assert [r["row"] for r in payload["rows"]] == ["GATConv", "QSVConv recipe"]
+        assert payload["rows"][0]["vs_gatconv"] == 1.0
+        assert all(r["step_ms"] > 0 and r["parameters"] > 0 for r in payload["rows"])
+        assert json.loads(out.read_text())["rows"] == payload["rows"]
+        assert "| QSVConv recipe |" in capsys.readouterr().out
+        assert listing(root / "Planetoid") == before
+        summarize = importlib.import_module("summarize")
+        summarize.main([str(out)])
+        assert "| QSVConv recipe | 94,988 |" in capsys.readouterr().out
+        with pytest.raises(SystemExit):
+            bench_cora.main(["--data-root", str(root), "--rows", "QSVConv nope", "--quick"])
