@@ -180,9 +180,12 @@ class Timer:
 
 
 def fmt(values: Sequence[float], digits: int = 3) -> str:
+    """``mean ± std``; a single value alone (one seed has no spread to show, and
+    ``± 0.0`` would read as a measured zero)."""
     mean = statistics.fmean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+    if len(values) < 2:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def print_table(title: str, rows: List[dict], metrics: Sequence[str]) -> None:
