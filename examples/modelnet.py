@@ -664,8 +664,9 @@ def collect_rows(dataset_root: Path) -> Tuple[Dict[str, Dict[str, Any]], List[di
         configs.append(cfg)
         row = rows.setdefault(cfg["row"], {"params": metrics["params"], "time": [],
                                            "columns": {c: [] for c in COLUMNS},
-                                           "seeds": set()})
+                                           "seeds": set(), "epochs": set()})
         row["time"].append(metrics["time_per_epoch"])
+        row["epochs"].add(cfg["epochs"])
         row["seeds"].add(cfg["seed"])
         for protocol, acc in metrics["test"].items():
             row["columns"][f"{LABEL[cfg['train']]}/{LABEL[protocol]}"].append(acc)
@@ -728,6 +729,12 @@ def report(out_root: Path, dataset: str, quiet: bool = False) -> Dict[str, Dict[
             cells[c] = mean_std(row["columns"][c]) if row["columns"][c] else "–"
         table_rows.append(cells)
     columns = ["model", "params", *COLUMNS, "CPU s/epoch", "seeds"]
+    if len({e for row in rows.values() for e in row["epochs"]}) > 1:
+        # Rows trained for different numbers of epochs (e.g. an equal-CPU-budget
+        # table): each row says its own.
+        columns.insert(-1, "epochs")
+        for cells, row in zip(table_rows, rows.values()):
+            cells["epochs"] = "/".join(map(str, sorted(row["epochs"])))
     text = write_table(out_root / "table", columns, table_rows, title)
     published = write_table(out_root / "published_modelnet40",
                             ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"], PUBLISHED,

@@ -222,3 +222,25 @@ def test_cli_missing_folder_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "no folder" in proc.stderr
+
+
+def test_report_names_each_rows_epochs_when_they_differ(modelnet, tiny_run, tmp_path):
+    """An equal-CPU-budget table trains rows for different epochs: the table then
+    says each row's own (and has no epochs column when they agree)."""
+    import json
+    import shutil
+    out, _ = tiny_run
+    assert "| epochs |" not in (out / "table.md").read_text()
+    copy = tmp_path / "copy"
+    shutil.copytree(out / "ModelNet10", copy / "ModelNet10")
+    for protocol in (copy / "ModelNet10" / "gat-xyz").iterdir():
+        path = protocol / "seed0" / "config.json"
+        cfg = json.loads(path.read_text())
+        cfg["epochs"] = 7
+        path.write_text(json.dumps(cfg))
+    modelnet.main(["--out-root", str(copy), "--report-only"])
+    lines = (copy / "table.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| model |"))
+    cells = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    assert "| epochs |" in header
+    assert "| 7 |" in cells["GAT xyz"] and "| 5 |" in cells["QSV-geometric"]
