@@ -23,5 +23,7 @@ $conv --graphs s2 --s2-nlat 32 --s2-cutoffs 0.1 0.16 --channels 128 --heads 8 \
 python benchmarks/bench_train.py --batch-size 64 --out "$out/bench_train_cpu.json"
 # Cora: every examples/citation.py row's training step beside GATConv's (needs ../shared/data).
 python benchmarks/bench_cora.py --out "$out/bench_cora.json"
+# TU: every examples/tu_graphs.py row's training epoch beside GAT's, on the five sets.
+python benchmarks/bench_tu.py --out "$out/bench_tu.json"
 python benchmarks/bench_train.py --models qsv attention-gat attention-transformer \
     --batch-size 64 --compile --no-stages --out "$out/bench_train_cpu_compile.json"

@@ -143,6 +143,15 @@ def cora_table(payload: dict) -> str:
     return "\n".join(out)
 
 
+def tu_table(payload: dict) -> str:
+    """bench_tu.py: one training epoch per TU row and set, side by side."""
+    out = ["| dataset | row | parameters | ms/epoch | vs GAT |", "|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        out.append(f"| {r['dataset']} | {r['row']} | {r['parameters']:,} | "
+                   f"{r['epoch_ms']:.1f} | {r['vs_gat']:.2f}× |")
+    return "\n".join(out)
+
+
 def main(paths: List[str]) -> None:
     for path in paths:
         with open(path) as f:
@@ -151,6 +160,8 @@ def main(paths: List[str]) -> None:
         results = payload.get("results") or payload.get("result")
         if "rows" in payload and payload["rows"] and "vs_gatconv" in payload["rows"][0]:
             print(cora_table(payload))
+        elif "rows" in payload and payload["rows"] and "vs_gat" in payload["rows"][0]:
+            print(tu_table(payload))
         elif isinstance(results, list) and results and "layers" in results[0]:
             print(conv_tables(payload))
         elif isinstance(results, dict) and "train_images_per_s" in next(iter(results.values()), {}):

@@ -246,6 +246,13 @@ class SumOfNodeFeatures(torch.nn.Module):
         return self.out(F.relu(self.graph(h)))
 
 
+def hyperparameters(epochs: int = EPOCHS, patience: int = PATIENCE) -> Dict[str, Any]:
+    """Every unit's training settings (recorded in its config)."""
+    return {"epochs": epochs, "patience": patience, "hidden": HIDDEN, "layers": LAYERS,
+            "heads": HEADS, "dropout": DROPOUT, "lr": LR, "batch_size": BATCH_SIZE,
+            "readout": READOUT, "qsv_options": dict(QSV_OPTIONS)}
+
+
 def qsv_gnn(in_channels: int, hp: Dict[str, Any]) -> QSV:
     return QSV(in_channels, hp["hidden"], hp["layers"], heads=hp["heads"],
                dropout=hp["dropout"], **hp["qsv_options"])
@@ -728,9 +735,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         if value < 1:
             fail(f"{flag} must be positive (got {value})")
     torch.set_num_threads(args.threads)
-    hp = {"epochs": epochs, "patience": patience, "hidden": HIDDEN, "layers": LAYERS,
-          "heads": HEADS, "dropout": DROPOUT, "lr": LR, "batch_size": BATCH_SIZE,
-          "readout": READOUT, "qsv_options": dict(QSV_OPTIONS)}
+    hp = hyperparameters(epochs, patience)
     attribute_sets = names(args.node_attributes)
 
     # Every set is checked and prepared before anything trains.

@@ -314,3 +314,30 @@ def test_report_only_without_units_exits_2(tu, tmp_path, capsys):
         tu.main(["--report-only", "--out-root", str(tmp_path)])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_bench_tu_times_rows_side_by_side(tu, cache, tmp_path, capsys):
+    """benchmarks/bench_tu.py: the table's rows (GAT as the anchor, added when not
+    asked for) on MUTAG, one JSON, summarised by summarize.py."""
+    import json
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        bench_tu = importlib.import_module("bench_tu")
+        summarize = importlib.import_module("summarize")
+    finally:
+        sys.path.remove(str(bench))
+    out = tmp_path / "bench_tu.json"
+    payload = bench_tu.main(["--datasets", "MUTAG", "--rows", "QSV", "--quick",
+                             "--data-root", str(DATA_ROOT), "--cache-root", str(cache),
+                             "--out", str(out)])
+    rows = payload["rows"]
+    assert [r["row"] for r in rows] == ["GAT", "QSV"] and rows[0]["vs_gat"] == 1.0
+    assert all(r["epoch_ms"] > 0 and r["parameters"] > 0 and r["train_graphs"] > 100
+               for r in rows)
+    # QSV and its parameter-matched control: within 10% of each other (as the table).
+    assert abs(rows[0]["parameters"] - rows[1]["parameters"]) < 0.1 * rows[1]["parameters"]
+    capsys.readouterr()
+    summarize.main([str(out)])
+    assert "| MUTAG | QSV |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == rows
