@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "examples"))  # citation.py and compare.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import citation  # noqa: E402
+import summarize  # noqa: E402
 from common import interleaved_median_times, machine_info, write_json  # noqa: E402
 from qsv_pyg.utils import resolve_device  # noqa: E402
 
@@ -105,10 +106,7 @@ def main(argv=None) -> dict:
              "vs_gatconv": seconds[n] / anchor} for n in names]
     print(f"{name}: one training step per row, median ms, side by side "
           f"({torch.get_num_threads()} thread(s), device {device})\n")
-    print("| row | parameters | ms/step | vs GATConv |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['row']} | {r['parameters']:,} | {r['step_ms']:.1f} | "
-              f"{r['vs_gatconv']:.2f}× |")
+    print(summarize.cora_table({"rows": rows}))
     payload = {"dataset": name, "rows": rows, "check_finite": not args.no_check_finite,
                "repeats": args.repeats, "min_time": args.min_time,
                "machine": machine_info(device), "argv": sys.argv[1:] if argv is None

@@ -134,22 +134,30 @@ def generic_table(payload: dict) -> str:
     return "\n".join(out)
 
 
+#: The side-by-side real-data benchmarks: (header, key, format) per column.
+CORA_COLUMNS = (("row", "row", "{}"), ("parameters", "parameters", "{:,}"),
+                ("ms/step", "step_ms", "{:.1f}"), ("vs GATConv", "vs_gatconv", "{:.2f}×"))
+TU_COLUMNS = (("dataset", "dataset", "{}"), ("row", "row", "{}"),
+              ("parameters", "parameters", "{:,}"), ("ms/epoch", "epoch_ms", "{:.1f}"),
+              ("vs GAT", "vs_gat", "{:.2f}×"))
+
+
+def rows_table(rows: List[dict], columns) -> str:
+    """A markdown table of ``rows`` (bench_cora.py's and bench_tu.py's ``rows``)."""
+    out = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(f.format(r[k]) for _, k, f in columns) + " |")
+    return "\n".join(out)
+
+
 def cora_table(payload: dict) -> str:
     """bench_cora.py: one training step per citation row, side by side."""
-    out = ["| row | parameters | ms/step | vs GATConv |", "|---|---|---|---|"]
-    for r in payload["rows"]:
-        out.append(f"| {r['row']} | {r['parameters']:,} | {r['step_ms']:.1f} | "
-                   f"{r['vs_gatconv']:.2f}× |")
-    return "\n".join(out)
+    return rows_table(payload["rows"], CORA_COLUMNS)
 
 
 def tu_table(payload: dict) -> str:
     """bench_tu.py: one training epoch per TU row and set, side by side."""
-    out = ["| dataset | row | parameters | ms/epoch | vs GAT |", "|---|---|---|---|---|"]
-    for r in payload["rows"]:
-        out.append(f"| {r['dataset']} | {r['row']} | {r['parameters']:,} | "
-                   f"{r['epoch_ms']:.1f} | {r['vs_gat']:.2f}× |")
-    return "\n".join(out)
+    return rows_table(payload["rows"], TU_COLUMNS)
 
 
 def main(paths: List[str]) -> None:
