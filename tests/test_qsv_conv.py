@@ -890,6 +890,18 @@ def test_forward_errors(random_graph):
     # check_finite=False skips the check (and its host sync).
     out = QSVConv(8, 4, heads=2, check_finite=False)(bad, ei)
     assert not torch.isfinite(out).all()
+    # The check's fast path is a sum: +inf and -inf together (a NaN sum) are caught,
+    # and finite entries whose sum overflows are not mistaken for non-finite ones.
+    bad[1, 2], bad[2, 3] = float("inf"), float("-inf")
+    with pytest.raises(ValueError, match="non-finite node features"):
+        conv(bad, ei)
+    from qsv_pyg.nn.qsv_conv import _check_finite
+    big = torch.full((64, 8), 3e38)
+    assert not torch.isfinite(big.sum())
+    _check_finite(big, "node features")  # finite entries: no error
+    _check_finite(big.half().clamp(max=6e4), "node features")
+    with pytest.raises(ValueError, match="non-finite x"):
+        _check_finite(torch.tensor([1.0, float("nan")], dtype=torch.float64), "x")
 
 
 def test_cpu_autocast_keeps_the_fast_path(knn_graph, monkeypatch):
