@@ -452,7 +452,14 @@ class QSVConv(MessagePassing):
         if isinstance(lin.weight, UninitializedParameter):
             lin(x)  # PyG's lazy Linear materialises itself on its first call
             self._near_identity(lin)
-        return lin(x).view(*x.shape[:-1], self.heads, 4)
+        # In float32 (float64 for float64 features) whatever the features' dtype
+        # and outside autocast: a bf16 quaternion is off the unit sphere by ~5e-3,
+        # and the sandwich would rescale the kept channel by its squared norm.
+        dt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            q = F.linear(x.to(dt), lin.weight.to(dt),
+                         None if lin.bias is None else lin.bias.to(dt))
+        return q.view(*x.shape[:-1], self.heads, 4)
 
     def _near_identity(self, lin) -> None:
         """Start a feature map near the identity rotation, so the initial
@@ -529,12 +536,16 @@ class QSVConv(MessagePassing):
         if self.check_finite and not is_compiling():
             _check_finite(src_q, "source quaternions")
             _check_finite(dst_q, "target quaternions")
-        unit_src = unit_quaternion(src_q)
+        # Normalised in float32 (float64 for float64 input) also when given in
+        # half precision or composed under autocast: the unit norm is exact to
+        # float32 rounding when they reach the operator.
+        unit_src = unit_quaternion(src_q.to(torch.promote_types(src_q.dtype, torch.float32)))
         if dst_q is None:
             return unit_src, None
         if dst_q is src_q:
             return unit_src, unit_src
-        return unit_src, unit_quaternion(dst_q)
+        return unit_src, unit_quaternion(
+            dst_q.to(torch.promote_types(dst_q.dtype, torch.float32)))
 
     # -------------------------------------------------------- call checks
     def _check_call(self, x_src: Tensor, x_dst: OptTensor, edge_index: Adj) -> None:
