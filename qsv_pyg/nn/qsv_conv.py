@@ -734,7 +734,16 @@ class QSVConv(MessagePassing):
         if return_attention_weights:
             if isinstance(edge_index, Tensor):
                 if is_torch_sparse_tensor(edge_index):
-                    adj = set_sparse_value(edge_index, alpha)
+                    if edge_index.dense_dim() > 0:  # edge features as its values
+                        if edge_index.layout != torch.sparse_coo:
+                            raise ValueError("return_attention_weights with edge features "
+                                             "as a sparse adjacency's values needs a COO "
+                                             "adjacency")
+                        adj = torch.sparse_coo_tensor(
+                            edge_index._indices(), alpha, (*edge_index.shape[:2], H),
+                            is_coalesced=edge_index.is_coalesced())
+                    else:
+                        adj = set_sparse_value(edge_index, alpha)
                     return out, (adj, alpha)
                 return out, (edge_index, alpha)
             elif isinstance(edge_index, SparseTensor):
