@@ -215,6 +215,29 @@ class QSVConv(MessagePassing):
             propagates: the affected outputs (and gradients) are NaN, never
             silently replaced (a NaN quaternion is not read as the identity).
             (default: :obj:`True`)
+        edge_dim (int, optional): Edge feature dimensionality (:obj:`-1`: lazy),
+            as in :class:`~torch_geometric.nn.conv.GATConv`: the edge features
+            ``edge_attr`` add a per-head linear score to the logit,
+            :math:`\beta_h \mathrm{Re}\, r_{ij} + (\mathbf{W}_e e_{ij})_h`
+            (``lin_edge``, bias-free). (default: :obj:`None`)
+        fill_value (float or torch.Tensor or str, optional): The edge features
+            of the added self-loops (``add_self_loops=True`` and ``edge_dim``):
+            a value, a ``[edge_dim]`` tensor, or a reduction of each target's
+            incoming edge features (``"add"``, ``"mean"``, ``"min"``,
+            ``"max"``, ``"mul"``), as in GATConv. (default: :obj:`"mean"`)
+        edge_message (bool, optional): Also add an embedding
+            :math:`\mathbf{W}_m e_{ij}` (``lin_edge_msg``, to the padded source
+            width) to :math:`\mathbf{x}_j` before the transport, so it is
+            rotated with it: the message is :math:`r_{ij} (\mathbf{x}_j +
+            \mathbf{W}_m e_{ij}) r_{ij}^*`. The embedding has the source
+            features' channel layout (blocks of four per head; component 0
+            kept, components 1-3 rotated, read in the source's frame); needs
+            ``edge_dim`` and a known source width. (default: :obj:`False`)
+        source_logit (bool, optional): Add a per-head linear score of the source
+            features :math:`a_h^\top \mathbf{x}_j` (``lin_source``; of the
+            projected features with ``project_input``) to the logit, GAT's
+            source half: a neighbour scored on its own. Off: the paper's layer.
+            (default: :obj:`False`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -225,6 +248,7 @@ class QSVConv(MessagePassing):
           (the target features may be :obj:`None` when quaternions are given
           and ``root_weight`` is not needed),
           edge indices :math:`(2, |\mathcal{E}|)` (or a sparse adjacency),
+          edge features *(optional)* :math:`(|\mathcal{E}|, D)`,
           quaternions *(optional)* :math:`(|\mathcal{V}|, H, 4)` or a pair,
           positions *(optional)* :math:`(|\mathcal{V}|, D)` or a pair
         - **output:** node features :math:`(|\mathcal{V}_t|, H * F_{out})` or
@@ -1056,4 +1080,7 @@ class QSVConv(MessagePassing):
         return (f"{self.__class__.__name__}({self.in_channels}, "
                 f"{self.out_channels}, heads={self.heads}, routing={self.routing}, "
                 f"transport={self.transport}"
-                + (", project_input=True" if self.project_input else "") + ")")
+                + (", project_input=True" if self.project_input else "")
+                + (f", edge_dim={self.edge_dim}" if self.edge_dim is not None else "")
+                + (", edge_message=True" if self.edge_message else "")
+                + (", source_logit=True" if self.source_logit else "") + ")")
