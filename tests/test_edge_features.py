@@ -96,8 +96,6 @@ def test_both_paths_match_the_literal_formula(config, routing, transport, monkey
     if "edge_dim" in kwargs:
         shape = (18, ) if kwargs["edge_dim"] == 1 else (18, kwargs["edge_dim"])
         ea = torch.randn(*shape, generator=gen(3), dtype=torch.float64, requires_grad=True)
-    if isinstance(kwargs.get("fill_value"), torch.Tensor):
-        conv.fill_value = conv.fill_value.double()
     pos = torch.randn(n, 3, generator=gen(4), dtype=torch.float64) if routing == "geometric" \
         else None
     out, alpha = run(conv, x, ei, ea, monkeypatch, pos=pos)

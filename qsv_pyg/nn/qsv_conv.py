@@ -877,7 +877,7 @@ class QSVConv(MessagePassing):
         terms = []
         if edge_attr is not None:
             assert self.lin_edge is not None
-            t = self.lin_edge(edge_attr[base_perm])
+            t = self.lin_edge(edge_attr)[base_perm]  # [E, H]: map first, then gather
             terms.append(t.repeat(copies, 1) if copies > 1 else t)
         if src_score is not None:
             terms.append(src_score.reshape(-1, self.heads)[graph.col])
