@@ -493,3 +493,40 @@ def test_quaternions_reach_the_operator_in_float32_under_autocast(quat_source, m
     for q in (q_src, q_dst):
         assert q.dtype == torch.float32
         assert (q.norm(dim=-1) - 1).abs().max() < 1e-6
+
+
+def test_attention_dropout_weights_the_edge_message(monkeypatch):
+    """Training with attention dropout stays on the operator, and the edge
+    embedding is weighted by the dropped, rescaled weights it returns, as the
+    features are: the output is the literal sum with those weights."""
+    from qsv_pyg.quaternion import conjugate, hamilton_product
+    conv = make(8, heads=2, edge_dim=3, edge_message=True, dropout=0.5).train()
+    x = torch.randn(7, 8, generator=gen(40), dtype=torch.float64)
+    ei = edges(7, 20, seed=41)
+    ea = torch.randn(20, 3, generator=gen(42), dtype=torch.float64)
+    torch.manual_seed(43)
+    out, alpha = run(conv, x, ei, ea, monkeypatch)
+    assert (alpha == 0).any()  # some weights were dropped
+    src, dst = ei
+    H, C = 2, 4
+    q_src, q_dst = conv._node_quaternions(x, x, None, 7)
+    xj = (x[src] + ea @ conv.lin_edge_msg.weight.t()).view(20, H, C // 4, 4)
+    r = hamilton_product(conjugate(q_dst[dst]), q_src[src]).unsqueeze(2)
+    xj = hamilton_product(hamilton_product(r, xj), conjugate(r))
+    z = x.new_zeros(7, H, C // 4, 4).index_add(0, dst, alpha.view(20, H, 1, 1) * xj)
+    ref = torch.einsum("nhc,hcf->nhf", z.view(7, H, C), conv.weight).reshape(7, -1)
+    ref = ref + conv.lin_skip(x) + conv.bias
+    torch.testing.assert_close(out, ref, **TOL64)
+
+
+def test_lazy_edge_dim():
+    """``edge_dim=-1`` derives the width from the first edge_attr, as PyG's lazy
+    layers do; a state dict of the built layer loads into a fresh lazy one."""
+    conv = QSVConv(8, 4, heads=2, edge_dim=-1, edge_message=True)
+    x, ei = torch.randn(6, 8), edges(6, 12, seed=44)
+    ea = torch.randn(12, 5)
+    out = conv(x, ei, ea)
+    assert conv.lin_edge.weight.shape == (2, 5) and conv.lin_edge_msg.weight.shape == (8, 5)
+    fresh = QSVConv(8, 4, heads=2, edge_dim=-1, edge_message=True)
+    fresh.load_state_dict(conv.state_dict())
+    torch.testing.assert_close(fresh(x, ei, ea), out)
