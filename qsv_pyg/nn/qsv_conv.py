@@ -934,9 +934,11 @@ class QSVConv(MessagePassing):
         use_abs = self.routing == "abs"
         B = x.size(0) if x.dim() == 3 else 1
         per_item = path == "attend_per_item"
-        base = graph_csr(edge_index, n_src, num_dst)
-        graph = graph_csr(edge_index, n_src, num_dst, batch=B) if per_item else base
+        graph = graph_csr(edge_index, n_src, num_dst, batch=B if per_item else 0)
         copies = B if per_item else 1
+        # The base graph's sorted edges: the first copy's (batch_csr keeps copy 0's
+        # perm as it is), in the order of edge_attr.
+        base_perm = graph.perm[:edge_index.size(1)] if per_item else graph.perm
         if per_item:
             q_s = _flat_batch(q_src, B) if rotate else None
             q_d = _flat_batch(q_dst, B) if rotate else None
@@ -946,7 +948,7 @@ class QSVConv(MessagePassing):
         k_src, k_dst = self._routing_keys(q_src, q_dst, n_src, num_dst, x)
         if per_item:
             k_src, k_dst = _flat_batch(k_src, B), _flat_batch(k_dst, B)
-        logit = self._edge_logit(graph, base.perm, copies, pos, edge_attr, src_score)
+        logit = self._edge_logit(graph, base_perm, copies, pos, edge_attr, src_score)
         mask = self._dropout_mask(graph.col.numel(), x)
         if per_item:
             v = x.reshape(B * n_src, H, C // 4, 4)
@@ -957,7 +959,7 @@ class QSVConv(MessagePassing):
                               edge_scale=mask, edge_logit=logit)
         used = alpha if mask is None else alpha * mask.to(alpha.dtype)  # the weights used
         if self.edge_message and edge_attr is not None:
-            extra = self._edge_message_sum(graph, base.perm, copies, edge_attr, used, q_s,
+            extra = self._edge_message_sum(graph, base_perm, copies, edge_attr, used, q_s,
                                            q_d, copies * num_dst, C)
             if per_item:
                 z = z + extra.to(z.dtype)
