@@ -881,12 +881,11 @@ class QSVConv(MessagePassing):
             terms.append(t.repeat(copies, 1) if copies > 1 else t)
         if src_score is not None:
             terms.append(src_score.reshape(-1, self.heads)[graph.col])
-        if self.routing == "geometric":
+        if self.routing == "geometric":  # positions are shared by the copies
             assert pos[0] is not None and pos[1] is not None
-            p_src, p_dst = pos
-            if copies > 1:
-                p_src, p_dst = _flat_batch(p_src, copies), _flat_batch(p_dst, copies)
-            terms.append(distance_logits(p_dst[graph.row], p_src[graph.col], self.beta))
+            E = base_perm.numel()  # copy 0's sorted edges come first, not offset
+            t = distance_logits(pos[1][graph.row[:E]], pos[0][graph.col[:E]], self.beta)
+            terms.append(t.repeat(copies, 1) if copies > 1 else t)
         if not terms:
             return None
         out = terms[0]
