@@ -339,6 +339,9 @@ def test_qsv_model_passes_edge_attr_like_gat(monkeypatch):
         QSV(8, 8, 2)(x, ei, edge_attr=ea)
     with pytest.raises(ValueError, match="edge weights"):
         model(x, ei, edge_weight=torch.ones(14))
+    # layer-wise inference hands the layers no edge features: refused, not silent
+    with pytest.raises(NotImplementedError, match="no edge_dim"):
+        model.inference_per_layer(0, x, ei, 6)
 
 
 def test_qsv_model_to_hetero_with_edge_features():
