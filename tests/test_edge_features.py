@@ -533,3 +533,22 @@ def test_lazy_edge_dim():
     fresh = QSVConv(8, 4, heads=2, edge_dim=-1, edge_message=True)
     fresh.load_state_dict(conv.state_dict())
     torch.testing.assert_close(fresh(x, ei, ea), out)
+
+
+def test_geometric_routing_gradients_of_positions_and_beta(monkeypatch):
+    """The distance logit is the operator's additive term: the positions and β
+    get their gradients through it, as on message passing."""
+    conv = make(8, heads=2, routing="geometric", edge_dim=2)
+    x = torch.randn(7, 8, generator=gen(45), dtype=torch.float64)
+    pos = (torch.randn(7, 3, generator=gen(46), dtype=torch.float64) + 50).requires_grad_()
+    ei = edges(7, 18, seed=47)
+    ea = torch.randn(18, 2, generator=gen(48), dtype=torch.float64)
+    grads = []
+    for path in ("auto", "never"):
+        conv.dense_path = path
+        out = conv(x, ei, ea, pos=pos) if path == "never" else \
+            run(conv, x, ei, ea, monkeypatch, pos=pos)[0]
+        grads.append(torch.autograd.grad(out.pow(2).sum(), (pos, conv.log_beta)))
+    for a, b in zip(*grads):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, **TOL64)
