@@ -42,7 +42,6 @@ from .csr import (
     plain_edge_index,
     with_self_loops_and_attr,
 )
-from .qsv_kernel import _rotate as rotate_blocks
 from .qsv_kernel import distance_logits, qsv_attend, routing_logits
 from .quat_sources import resolve_quat_source
 
@@ -910,11 +909,12 @@ class QSVConv(MessagePassing):
         with torch.autocast(weights.device.type, enabled=False):
             w = emb.to(dt).view(-1, H, C // 4, 4)
             if q_src is not None:
-                w = rotate_blocks(w, q_src.to(dt)[graph.col], False)
+                w = matrix_rotate_blocks(quaternion_to_matrix(q_src.to(dt)[graph.col]), w)
             y = w.new_zeros(num_dst, H, C // 4, 4).index_add(
                 0, graph.row, weights.view(-1, H, 1, 1) * w)
             if q_dst is not None:
-                y = rotate_blocks(y, q_dst.to(dt), True)
+                y = matrix_rotate_blocks(quaternion_to_matrix(q_dst.to(dt)).transpose(-1, -2),
+                                         y)
         return y
 
     def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
