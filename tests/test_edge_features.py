@@ -552,3 +552,21 @@ def test_geometric_routing_gradients_of_positions_and_beta(monkeypatch):
     for a, b in zip(*grads):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, **TOL64)
+
+
+@pytest.mark.parametrize("edge", [False, True], ids=["plain", "edge features"])
+def test_a_bfloat16_layer_runs_on_both_paths(edge):
+    """A layer converted to bfloat16 (no autocast) keeps working on message
+    passing, whose PyG ops take one dtype, now that the unit quaternions are
+    float32; the two paths agree to bf16 rounding."""
+    torch.manual_seed(0)
+    kw = dict(edge_dim=2, edge_message=True, source_logit=True) if edge else {}
+    conv = QSVConv(8, 4, heads=2, **kw).bfloat16().eval()
+    x = torch.randn(6, 8, generator=gen(49)).bfloat16()
+    ei = edges(6, 14, seed=50)
+    ea = torch.randn(14, 2, generator=gen(51)).bfloat16() if edge else None
+    fast = conv(x, ei, ea)
+    conv.dense_path = "never"
+    mp = conv(x, ei, ea)
+    assert fast.dtype == mp.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), mp.float(), rtol=5e-2, atol=5e-2)

@@ -993,6 +993,13 @@ class QSVConv(MessagePassing):
         ``[B, N, C]`` batch runs over ``B`` disjoint copies of the graph."""
         H = self.heads
         C = x.size(-1) // H
+        # PyG's ops take one dtype: a half-precision layer (no autocast) passes
+        # messages in its own dtype, as it always did (the unit quaternions are
+        # float32; the fast path keeps them so).
+        if q_src.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            same = q_dst is q_src
+            q_src = q_src.to(x.dtype)
+            q_dst = q_src if same else (None if q_dst is None else q_dst.to(x.dtype))
         rot_src = rot_dst = None
         if self.transport == "sandwich":
             assert q_dst is not None
