@@ -29,7 +29,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -88,20 +88,27 @@ class SpMM(torch.nn.Module):
         return _AdjacencyProduct.apply(x, self.adj, self.adj_t)
 
 
-def make_layer(name: str, channels: int, heads: int) -> torch.nn.Module:
+#: The layers that take edge features (``--edge-dim``): built with ``edge_dim``
+#: and called with ``edge_attr``; the others run without them.
+EDGE_LAYERS = ("qsv", "qsv-field", "gat", "gatv2", "transformer")
+
+
+def make_layer(name: str, channels: int, heads: int,
+               edge_dim: Optional[int] = None) -> torch.nn.Module:
     out = channels // heads
+    edge = {"edge_dim": edge_dim} if edge_dim and name in EDGE_LAYERS else {}
     if name in ("qsv", "qsv-field"):
         # "qsv": quaternions from the features (the drop-in layer);
         # "qsv-field": quaternions given per node, as QSVNet's learned field.
         return QSVConv(channels, out, heads=heads,
                        quat_source="features" if name == "qsv" else "given",
-                       check_finite=False)
+                       check_finite=False, **edge)
     if name == "gat":
-        return GATConv(channels, out, heads=heads, add_self_loops=False)
+        return GATConv(channels, out, heads=heads, add_self_loops=False, **edge)
     if name == "gatv2":
-        return GATv2Conv(channels, out, heads=heads, add_self_loops=False)
+        return GATv2Conv(channels, out, heads=heads, add_self_loops=False, **edge)
     if name == "transformer":
-        return TransformerConv(channels, out, heads=heads)
+        return TransformerConv(channels, out, heads=heads, **edge)
     if name == "simple-sum":
         return SimpleConv(aggr="sum")
     if name in ("spmm", "nattn-s2"):
@@ -126,7 +133,8 @@ def s2_peer(nlat: int, cutoff: float, channels: int, heads: int):
 def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
                 device: torch.device, repeats: int, min_time: float, graph: str = "knn",
                 peer: torch.nn.Module = None, seed: int = 0, amp: str = "none",
-                errors: Dict[str, str] = None) -> Dict[str, Dict[str, float]]:
+                errors: Dict[str, str] = None,
+                edge_dim: Optional[int] = None) -> Dict[str, Dict[str, float]]:
     gen = torch.Generator().manual_seed(seed)
     dtype = AMP[amp]
 
@@ -141,6 +149,8 @@ def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
         edge_index = knn_within(fibonacci_sphere(n).to(device), k)
     x = torch.randn(n, channels, generator=gen).to(device)
     quat = torch.randn(n, heads, 4, generator=gen).to(device)
+    edge_attr = (torch.randn(edge_index.size(1), edge_dim, generator=gen).to(device)
+                 if edge_dim else None)
     fwd: Dict[str, Callable[[], None]] = {}
     fwd_bwd: Dict[str, Callable[[], None]] = {}
     runs: Dict[str, Callable[[], torch.Tensor]] = {}
@@ -151,19 +161,20 @@ def bench_graph(n: int, k: int, layers: List[str], channels: int, heads: int,
         elif name == "nattn-s2":
             layer = peer.to(device)
         else:
-            layer = make_layer(name, channels, heads).to(device)
+            layer = make_layer(name, channels, heads, edge_dim).to(device)
         xin = x.clone().requires_grad_(True)
         if name == "nattn-s2":  # [1, C, nlat, nlon]
             nlat = layer.nlat_in
             xin = x.t().reshape(1, channels, nlat, 2 * nlat).clone().requires_grad_(True)
 
         def run(layer=layer, xin=xin, name=name) -> torch.Tensor:
+            edge = {"edge_attr": edge_attr} if edge_dim and name in EDGE_LAYERS else {}
             with autocast():
                 if name == "qsv-field":
-                    return layer(xin, edge_index, quat=quat).float()
+                    return layer(xin, edge_index, quat=quat, **edge).float()
                 if name in ("spmm", "nattn-s2"):
                     return layer(xin).float()
-                return layer(xin, edge_index).float()
+                return layer(xin, edge_index, **edge).float()
 
         def forward(run=run) -> None:
             with torch.no_grad():
@@ -252,6 +263,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--amp", default="none", choices=list(AMP),
                         help="run the layers under autocast to this dtype (CUDA)")
+    parser.add_argument("--edge-dim", type=int, default=None,
+                        help="give the layers that take edge features (%s) random "
+                             "edge features of this width" % ", ".join(EDGE_LAYERS))
     parser.add_argument("--quick", action="store_true", help="N=1024, k=8/16, 3 repeats")
     parser.add_argument("--out", default="benchmarks/out/bench_conv.json")
     parser.add_argument("--plot", default=None, help="write a log-log time-vs-N figure")
@@ -273,7 +287,7 @@ def main(argv=None) -> dict:
         errors: Dict[str, str] = {}
         rows.append({"graph": g, "n": n, "k": k, "layers": bench_graph(
             n, k, args.layers, args.channels, args.heads, device, args.repeats,
-            args.min_time, graph=g, amp=args.amp, errors=errors)})
+            args.min_time, graph=g, amp=args.amp, errors=errors, edge_dim=args.edge_dim)})
         if errors:
             rows[-1]["errors"] = errors
             print(f"{g} N={n} k={k}: left out {errors}")
@@ -292,7 +306,7 @@ def main(argv=None) -> dict:
                                                    args.min_time, graph="s2", peer=peer)})
 
     print(f"\nchannels={args.channels} heads={args.heads} device={device} "
-          f"threads={torch.get_num_threads()}")
+          f"threads={torch.get_num_threads()} edge_dim={args.edge_dim}")
     print("\nforward + backward (median ms; ratio < 1 means QSVConv is faster)")
     layers = list(dict.fromkeys(x for row in rows for x in row["layers"]))
     print(format_table(rows, layers, "fwd_bwd_ms"))

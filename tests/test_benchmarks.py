@@ -76,3 +76,17 @@ def test_s2_peer_is_optional_and_timed_on_its_grid(tmp_path):
 def test_bench_conv_rejects_unknown_layer():
     with pytest.raises(ValueError, match="unknown layer"):
         bench_conv.make_layer("nope", 16, 4)
+
+
+def test_bench_conv_edge_dim_gives_edge_features_to_the_layers_that_take_them(tmp_path):
+    layers = ["qsv", "gat", "transformer", "simple-sum"]
+    payload = bench_conv.main(["--sizes", "64", "--ks", "4", "--repeats", "1",
+                               "--min-time", "0", "--graphs", "random", "--edge-dim", "3",
+                               "--layers", *layers, "--out", str(tmp_path / "c.json")])
+    assert payload["args"]["edge_dim"] == 3
+    assert set(payload["results"][0]["layers"]) == set(layers)
+    assert "errors" not in payload["results"][0]
+    conv = bench_conv.make_layer("qsv", 16, 4, edge_dim=3)
+    assert conv.edge_dim == 3 and conv.lin_edge is not None
+    assert bench_conv.make_layer("gat", 16, 4, edge_dim=3).lin_edge is not None
+    assert bench_conv.make_layer("gat", 16, 4).lin_edge is None
