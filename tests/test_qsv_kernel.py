@@ -177,8 +177,8 @@ def test_opcheck(impl):
         empty = v.new_empty(0, H, 4)
         args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
                 empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
-                k_d.requires_grad_(), beta.requires_grad_(), v.new_empty(0), g.rowptr, g.col,
-                g.row, g.rowptr_t, g.perm_t, g.row_t, False, rotate)
+                k_d.requires_grad_(), beta.requires_grad_(), v.new_empty(0), v.new_empty(0),
+                g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t, False, rotate)
         torch.library.opcheck(attend, args)
 
 
@@ -301,12 +301,14 @@ def test_edge_scale_of_ones_is_no_scale(variant, impl):
 
 
 def test_operator_scale_input(impl):
-    """The scale is the operator's 7th input; an empty one means none (the layer's
-    eval path), a wrongly shaped one is refused by the operator itself."""
+    """The scale is the operator's 7th input (the additive logit term its 8th);
+    an empty one means none (the layer's eval path), a wrongly shaped one is
+    refused by the operator itself."""
     n, H = 6, 2
     g = graph_csr(random_graph(n, n, 14, seed=71), n, n)
     v, q_s, q_d, k_s, k_d, beta = operator_inputs(n, n, H, 1, 4, torch.float64, seed=72)
-    graph_args = (g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t, False, True)
+    graph_args = (v.new_empty(0), g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t,
+                  False, True)  # no additive term, then the graph
     z0 = attend(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), *graph_args)[0]
     z1 = attend(v, q_s, q_d, k_s, k_d, beta, v.new_ones(14, H), *graph_args)[0]
     torch.testing.assert_close(z0, z1, rtol=1e-13, atol=1e-13)
@@ -329,8 +331,8 @@ def test_opcheck_with_edge_scale(impl):
         scale = dropout_scale(20, H, 0.5, seed=75)
         args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
                 empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
-                k_d.requires_grad_(), beta.requires_grad_(), scale, g.rowptr, g.col, g.row,
-                g.rowptr_t, g.perm_t, g.row_t, True, rotate)
+                k_d.requires_grad_(), beta.requires_grad_(), scale, v.new_empty(0), g.rowptr,
+                g.col, g.row, g.rowptr_t, g.perm_t, g.row_t, True, rotate)
         torch.library.opcheck(attend, args)
 
 
@@ -551,5 +553,5 @@ def test_cpp_kernel_refuses_a_malformed_graph():
     for rowptr, col, match in ((g.rowptr, bad_col, "out of range"),
                                (bad_ptr, g.col, "rowptr must run from 0 to E")):
         with pytest.raises(RuntimeError, match=match):
-            cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), rowptr,
-                                         col, False, True)
+            cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0),
+                                         v.new_empty(0), rowptr, col, False, True)

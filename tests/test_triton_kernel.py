@@ -209,7 +209,7 @@ def test_int32_indices_and_determinism():
                                for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=8))
 
     def run(index_dtype):
-        z, alpha, *_ = attend(v, qs, qd, ks, kd, beta, v.new_empty(0),
+        z, alpha, *_ = attend(v, qs, qd, ks, kd, beta, v.new_empty(0), v.new_empty(0),
                               *op_graph(on_device(g64, index_dtype)), True, True)
         grads = torch.autograd.grad(z.pow(2).sum() + alpha.sin().sum(),
                                     (v, qs, qd, ks, kd, beta))
@@ -312,7 +312,8 @@ def test_opcheck_with_edge_scale_on_the_triton_path():
                                for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=33))
     scale = dropout_scale(8, H, 0.5, seed=34).float().to(DEVICE)
     calls = dict(tk.CALLS)
-    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, scale, *op_graph(g), False, True))
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, scale, v.new_empty(0),
+                                   *op_graph(g), False, True))
     assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
 
 
@@ -324,8 +325,8 @@ def test_opcheck_on_the_triton_path():
     v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
                                for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=12))
     calls = tk.CALLS["forward"]
-    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, v.new_empty(0), *op_graph(g),
-                                   False, True))
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, v.new_empty(0), v.new_empty(0),
+                                   *op_graph(g), False, True))
     assert tk.CALLS["forward"] > calls
 
 

@@ -18,6 +18,9 @@
 //   scale           [E, H]         optional per-edge scale of the aggregation,
 //                                  y_i = sum_j alpha_ij scale_ij u_j (empty: none;
 //                                  the kernels are then instantiated without it)
+//   bias            [E, H]         optional additive logit term: logit = beta_h *
+//                                  <kd_i, ks_j> + bias_ij (empty: none); its
+//                                  gradient glogit [E, H] = dL/dlogit
 //   rowptr          [Nd + 1]       CSR rows (targets); col [E] their sources
 //   rowptr_t        [Ns + 1]       transposed rows (sources); perm_t [E] the
 //                                  sorted-edge index of each entry, row_t [E]
@@ -152,8 +155,9 @@ inline int64_t grain(int64_t work_per_row) {
 
 template <bool SCALED, typename T>
 void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
-                  const T* kd, const T* beta, const T* scale, const int64_t* rowptr,
-                  const int64_t* col, T* u, T* y, T* z, T* alpha, T* dot) {
+                  const T* kd, const T* beta, const T* scale, const T* bias,
+                  const int64_t* rowptr, const int64_t* col, T* u, T* y, T* z, T* alpha,
+                  T* dot) {
   const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
   if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
     at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
@@ -181,7 +185,8 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
         for (int64_t e = 0; e < deg; ++e) {
           const T d = dot_keys(kd + row * D, ks + (nb[e] * H + h) * D, D);
           dt[e * H] = d;
-          const T l = beta[h] * (s.use_abs ? std::abs(d) : d);
+          const T l = beta[h] * (s.use_abs ? std::abs(d) : d) +
+                      (bias ? bias[(e0 + e) * H + h] : T(0));
           al[e * H] = l;
           mx = l > mx ? l : mx;
         }
@@ -218,7 +223,7 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
                    const T* beta, const T* scale, const int64_t* rowptr, const int64_t* col,
                    const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
                    const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
-                   T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
+                   T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
   const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
   const T* src = s.rotate ? u : v;
   const T* gy = s.rotate ? gy_buf : gz;
@@ -259,7 +264,8 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         }
         T gb = 0;
         for (int64_t e = 0; e < deg; ++e) {
-          const T gs = al[e * H] * (gdr[e * H] - sa);
+          const T gs = al[e * H] * (gdr[e * H] - sa);  // dL/dlogit
+          if (glogit) glogit[(e0 + e) * H + h] = gs;
           const T d = dt[e * H];
           gb += gs * (s.use_abs ? std::abs(d) : d);
           T gdv = gs * beta[h];
@@ -373,28 +379,30 @@ T* ptr_or_null(torch::Tensor& t) {
   return t.numel() ? t.data_ptr<T>() : nullptr;
 }
 
-// scale: empty (no scale) or [E, H] of v's dtype.
-void check_scale(const torch::Tensor& scale, const torch::Tensor& v, int64_t E, int64_t H) {
-  if (scale.numel() == 0) return;
-  check(scale, "scale");
-  TORCH_CHECK(scale.scalar_type() == v.scalar_type(), "qsv_kernel_cpu: scale must have the ",
-              "features' dtype");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == E && scale.size(1) == H,
-              "qsv_kernel_cpu: scale ", scale.sizes(), " must be empty or [E, H] = [", E,
-              ", ", H, "]");
+// scale / bias: empty (none) or [E, H] of v's dtype.
+void check_edge_input(const torch::Tensor& t, const char* name, const torch::Tensor& v,
+                      int64_t E, int64_t H) {
+  if (t.numel() == 0) return;
+  check(t, name);
+  TORCH_CHECK(t.scalar_type() == v.scalar_type(), "qsv_kernel_cpu: ", name,
+              " must have the features' dtype");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == E && t.size(1) == H, "qsv_kernel_cpu: ", name,
+              " ", t.sizes(), " must be empty or [E, H] = [", E, ", ", H, "]");
 }
 
 std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch::Tensor qd,
                                        torch::Tensor ks, torch::Tensor kd, torch::Tensor beta,
-                                       torch::Tensor scale, torch::Tensor rowptr,
-                                       torch::Tensor col, bool use_abs, bool rotate) {
+                                       torch::Tensor scale, torch::Tensor bias,
+                                       torch::Tensor rowptr, torch::Tensor col, bool use_abs,
+                                       bool rotate) {
   for (auto* t : {&v, &qs, &qd, &ks, &kd, &beta}) check(*t, "input");
   check_index(rowptr, "rowptr");
   check_index(col, "col");
   Dims s = dims(v, ks, rowptr, use_abs, rotate);
   const int64_t E = s.E = col.size(0);
   check_graph(rowptr, col, s.Ns);
-  check_scale(scale, v, E, s.H);
+  check_edge_input(scale, "scale", v, E, s.H);
+  check_edge_input(bias, "bias", v, E, s.H);
   const bool scaled = scale.numel() > 0;
   auto opts = v.options();
   auto u = rotate ? torch::empty_like(v) : torch::empty({0}, opts);
@@ -407,8 +415,8 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch:
       forward_impl<decltype(scaled_tag)::value, scalar_t>(
           s, v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd),
           ptr_or_null<scalar_t>(ks), ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(),
-          ptr_or_null<scalar_t>(scale), rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(),
-          ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), z.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(scale), ptr_or_null<scalar_t>(bias),
+          rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), z.data_ptr<scalar_t>(),
           alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>());
     };
     if (scaled) {
@@ -426,14 +434,14 @@ std::vector<torch::Tensor> qsv_backward(
     torch::Tensor scale, torch::Tensor rowptr, torch::Tensor col, torch::Tensor rowptr_t,
     torch::Tensor perm_t, torch::Tensor row_t, torch::Tensor alpha, torch::Tensor dot,
     torch::Tensor u, torch::Tensor y, bool use_abs, bool rotate, bool need_v, bool need_q,
-    bool need_k) {
+    bool need_k, bool need_bias) {
   for (auto* t : {&gz, &v, &qs, &qd, &ks, &kd, &beta, &alpha, &dot, &u, &y}) check(*t, "input");
   for (auto* t : {&rowptr, &col, &rowptr_t, &perm_t, &row_t}) check_index(*t, "index");
   if (galpha.has_value()) check(*galpha, "grad_alpha");
   Dims s = dims(v, ks, rowptr, use_abs, rotate);
   const Needs need{need_v, need_q && rotate, need_k && s.D > 0};
   const int64_t E = s.E = col.size(0);
-  check_scale(scale, v, E, s.H);
+  check_edge_input(scale, "scale", v, E, s.H);
   const bool scaled = scale.numel() > 0;
   auto opts = v.options();
   // Unneeded outputs are distinct empty tensors (returns may not alias).
@@ -442,6 +450,7 @@ std::vector<torch::Tensor> qsv_backward(
   };
   auto gy = maybe(rotate, {s.Nd, s.H, s.M, 4});
   auto gd = torch::empty({E, s.H}, opts);
+  auto glogit = maybe(need_bias, {E, s.H});
   auto gbeta_part = torch::empty({s.Nd, s.H}, opts);
   auto gqd = maybe(need.q, {s.Nd, s.H, 4});
   auto gqs = maybe(need.q, {s.Ns, s.H, 4});
@@ -458,7 +467,8 @@ std::vector<torch::Tensor> qsv_backward(
           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(),
           perm_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
           dot.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
-          ptr_or_null<scalar_t>(gy), gd.data_ptr<scalar_t>(), gbeta_part.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(gy), gd.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(glogit),
+          gbeta_part.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(gqd), ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv),
           ptr_or_null<scalar_t>(gqs), ptr_or_null<scalar_t>(gks));
     };
@@ -468,7 +478,7 @@ std::vector<torch::Tensor> qsv_backward(
       run(std::false_type{});
     }
   });
-  return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0)};
+  return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0), glogit};
 }
 
 }  // namespace

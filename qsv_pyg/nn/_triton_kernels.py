@@ -118,11 +118,13 @@ def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
 
 
 @triton.jit
-def forward_rows(src, qd, ks, kd, beta, scale, rowptr, col, y_out, z_out, alpha_out, dot_out,
-                 H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
-                 BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """One target ``i`` and ``BH`` heads: logits, online softmax (running max
+def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, alpha_out,
+                 dot_out, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                 HAS_KEYS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                 BD: tl.constexpr):
+    """One target ``i`` and ``BH`` heads: logits (plus the additive term
+    ``bias`` when ``HAS_BIAS``), online softmax (running max
     and sum) and the weighted sum of the (rotated) sources in one walk over
     the row (each weight times the edge's ``scale`` when ``HAS_SCALE``; the
     softmax's sum is not scaled); ``z = Q_i^T y``; then a walk over the row's
@@ -164,6 +166,9 @@ def forward_rows(src, qd, ks, kd, beta, scale, rowptr, col, y_out, z_out, alpha_
             logit = tl.abs(d) * b[None, :]
         else:
             logit = d * b[None, :]
+        if HAS_BIAS:
+            logit += tl.load(bias + offs_e[:, None] * H + offs_h[None, :], mask=eh,
+                             other=0).to(ACC)
         logit = tl.where(em[:, None], logit, float("-inf"))
         new_max = tl.maximum(run_max, tl.reduce(logit, 0, _MAX))
         rescale = tl.exp(run_max - new_max)
@@ -200,16 +205,21 @@ def forward_rows(src, qd, ks, kd, beta, scale, rowptr, col, y_out, z_out, alpha_
         offs_e = e0 + tl.arange(0, BE)
         em = offs_e < end
         eh = em[:, None] & hm[None, :]
-        if HAS_KEYS:  # the logits again, in ACC (dot_out may be half precision)
-            j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
-            kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +
-                         offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
-                         other=0).to(ACC)
-            d = tl.reduce(kj * kdi[None, :, :], 2, _ADD)
-            if USE_ABS:
-                logit = tl.abs(d) * b[None, :]
-            else:
-                logit = d * b[None, :]
+        if HAS_KEYS or HAS_BIAS:  # the logits again, in ACC (dot_out may be half)
+            logit = tl.full([BE, BH], 0, ACC)
+            if HAS_KEYS:
+                j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
+                kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +
+                             offs_d[None, None, :], mask=eh[:, :, None] & hd[None, :, :],
+                             other=0).to(ACC)
+                d = tl.reduce(kj * kdi[None, :, :], 2, _ADD)
+                if USE_ABS:
+                    logit = tl.abs(d) * b[None, :]
+                else:
+                    logit = d * b[None, :]
+            if HAS_BIAS:
+                logit += tl.load(bias + offs_e[:, None] * H + offs_h[None, :], mask=eh,
+                                 other=0).to(ACC)
             a = tl.exp(logit - run_max[None, :]) * inv[None, :]
         else:
             a = tl.full([BE, BH], 0, ACC) + inv[None, :]
@@ -218,15 +228,19 @@ def forward_rows(src, qd, ks, kd, beta, scale, rowptr, col, y_out, z_out, alpha_
 
 
 @triton.jit
-def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, gd,
-                  gbeta_part, gqd, gkd, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
-                  HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, ACC: tl.constexpr,
-                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, ga_buf,
+                  gd, glogit, gbeta_part, gqd, gkd, H, M, D, USE_ABS: tl.constexpr,
+                  ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr,
+                  NEED_BIAS: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """Pass A, one target ``i`` and ``BH`` heads: ``gy = Q_i gz``, the softmax
-    backward (``ga = s <gy_i, u_j> + galpha`` parked in ``gd``, then
-    overwritten with the key-product gradient), the per-target part of d beta,
-    d kd_i and d qd_i."""
+    backward (``ga = s <gy_i, u_j> + galpha`` parked in ``ga_buf`` by the first
+    walk over the row, read by the second, which writes the logit gradient
+    ``gs`` to ``glogit`` when ``NEED_BIAS`` and the key-product gradient to
+    ``gd``: no walk reads and writes one buffer, so no thread can read an entry
+    another has already overwritten), the per-target part of d beta, d kd_i
+    and d qd_i."""
     i = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
@@ -260,7 +274,7 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
             ga += tl.load(galpha + off_eh, mask=eh, other=0).to(ACC)
         a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
         sa += tl.reduce(a * ga, 0, _ADD)
-        tl.store(gd + off_eh, ga, mask=eh)
+        tl.store(ga_buf + off_eh, ga, mask=eh)
     tl.debug_barrier()  # the second walk reads what the first stored
     b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
     hd = hm[:, None] & (offs_d < D)[None, :]
@@ -276,7 +290,9 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
         eh = em[:, None] & hm[None, :]
         off_eh = offs_e[:, None] * H + offs_h[None, :]
         a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
-        gs = a * (tl.load(gd + off_eh, mask=eh, other=0) - sa[None, :])
+        gs = a * (tl.load(ga_buf + off_eh, mask=eh, other=0) - sa[None, :])
+        if NEED_BIAS:  # d logit: the additive term's gradient
+            tl.store(glogit + off_eh, gs.to(glogit.dtype.element_ty), mask=eh)
         if HAS_KEYS:  # the key product again, in ACC (the saved dot may be half)
             j = tl.load(col + offs_e, mask=em, other=0).to(tl.int64)
             kj = tl.load(ks + j[:, None, None] * (H * D) + offs_h[None, :, None] * D +

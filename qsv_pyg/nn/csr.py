@@ -127,9 +127,21 @@ def with_self_loops(edge_index: Adj, x_src: Tensor, x_dst: Optional[Tensor],
                     size: Optional[Tuple[int, int]]) -> Adj:
     """``edge_index`` with one self-loop per node present on both sides (as in
     GATConv); existing self-loops are replaced."""
+    return with_self_loops_and_attr(edge_index, x_src, x_dst, size)[0]
+
+
+def with_self_loops_and_attr(edge_index: Adj, x_src: Tensor, x_dst: Optional[Tensor],
+                             size: Optional[Tuple[int, int]],
+                             edge_attr: Optional[Tensor] = None,
+                             fill_value: Union[float, Tensor, str] = "mean"
+                             ) -> Tuple[Adj, Optional[Tensor]]:
+    """:func:`with_self_loops` and the edge features: the new loops get
+    ``fill_value`` features as in GATConv (a float, a tensor, or a reduction
+    of each target's incoming features, ``"mean"``, ``"add"``, ...; PyG's
+    :func:`~torch_geometric.utils.add_self_loops`)."""
     if isinstance(edge_index, SparseTensor):
         from torch_geometric.typing import torch_sparse
-        return torch_sparse.set_diag(edge_index)
+        return torch_sparse.set_diag(edge_index), edge_attr
     if is_torch_sparse_tensor(edge_index):
         raise ValueError("add_self_loops=True is not supported for torch.sparse "
                          "adjacencies; add the diagonal before calling QSVConv")
@@ -138,9 +150,10 @@ def with_self_loops(edge_index: Adj, x_src: Tensor, x_dst: Optional[Tensor],
         num_nodes = min(num_nodes, x_dst.size(-2))
     if size is not None:
         num_nodes = min(size)
-    edge_index, _ = remove_self_loops(edge_index)
-    edge_index, _ = add_self_loops(edge_index, num_nodes=num_nodes)
-    return edge_index
+    edge_index, edge_attr = remove_self_loops(edge_index, edge_attr)
+    edge_index, edge_attr = add_self_loops(edge_index, edge_attr, fill_value=fill_value,
+                                           num_nodes=num_nodes)
+    return edge_index, edge_attr
 
 def _index_ranges(edge_index: Tensor) -> Optional[List[int]]:
     """``[src_min, dst_min, src_max, dst_max]`` of a ``[2, E]`` edge index, by

@@ -40,9 +40,10 @@ from .csr import (
     check_edge_index,
     graph_csr,
     plain_edge_index,
-    with_self_loops,
+    with_self_loops_and_attr,
 )
-from .qsv_kernel import geometric_keys, qsv_attend, routing_logits
+from .qsv_kernel import _rotate as rotate_blocks
+from .qsv_kernel import distance_logits, qsv_attend, routing_logits
 from .quat_sources import resolve_quat_source
 
 if typing.TYPE_CHECKING:
@@ -250,6 +251,10 @@ class QSVConv(MessagePassing):
         quat_source: str = "auto",
         dense_path: str = "auto",
         check_finite: bool = True,
+        edge_dim: Optional[int] = None,
+        fill_value: Union[float, Tensor, str] = "mean",
+        edge_message: bool = False,
+        source_logit: bool = False,
         **kwargs,
     ):
         kwargs.setdefault("aggr", "add")
@@ -279,6 +284,17 @@ class QSVConv(MessagePassing):
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
         self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
         self.check_finite = check_finite
+        if edge_dim is not None and (isinstance(edge_dim, bool) or not isinstance(
+                edge_dim, int) or (edge_dim < 1 and edge_dim != -1)):
+            raise ValueError(f"edge_dim must be a positive integer, -1 (lazy) or None, "
+                             f"got {edge_dim!r}")
+        if edge_message and edge_dim is None:
+            raise ValueError("edge_message=True embeds the edge features into the "
+                             "messages: it needs edge_dim")
+        self.edge_dim = edge_dim
+        self.fill_value = fill_value
+        self.edge_message = edge_message
+        self.source_logit = source_logit
 
         if isinstance(in_channels, int):
             in_src = in_dst = in_channels
@@ -306,6 +322,21 @@ class QSVConv(MessagePassing):
         else:
             quat_in = in_channels
         self._make_quat_maps(quat_in)
+
+        # Edge features in the logit (GATConv's a_edge^T W_e e_ij, one score per
+        # head), in the message (W_m e_ij joins x_j in the source's frame), and
+        # the per-source score a_h^T x_j (GAT's source half).
+        self.lin_edge = self.lin_edge_msg = self.lin_source = None
+        if edge_dim is not None:
+            self.lin_edge = Linear(edge_dim, heads, bias=False, weight_initializer="glorot")
+        if edge_message:
+            if in_src < 1:
+                raise ValueError("edge_message=True needs the source width: pass "
+                                 "in_channels (not -1) or project_input=True")
+            self.lin_edge_msg = Linear(edge_dim, self._padded(in_src), bias=False,
+                                       weight_initializer="glorot")
+        if source_logit:
+            self.lin_source = Linear(in_src, heads, bias=False, weight_initializer="glorot")
 
         log_beta = torch.full((heads, ), math.log(beta_init))
         if learn_beta:
@@ -341,7 +372,8 @@ class QSVConv(MessagePassing):
 
     def reset_parameters(self):
         super().reset_parameters()
-        for lin in (self.lin_proj, self.lin_proj_src, self.lin_proj_dst):
+        for lin in (self.lin_proj, self.lin_proj_src, self.lin_proj_dst, self.lin_edge,
+                    self.lin_edge_msg, self.lin_source):
             if lin is not None:
                 lin.reset_parameters()
         for lin in (self.lin_quat, self.lin_quat_src, self.lin_quat_dst):
@@ -589,6 +621,8 @@ class QSVConv(MessagePassing):
             return "attend_per_item", "[B, N, C] input with per-item quaternions"
         if x_src.dim() == 3 and self._drops_attention():
             return "attend_per_item", "[B, N, C] input with attention dropout per item"
+        if x_src.dim() == 3 and self.source_logit:
+            return "attend_per_item", "[B, N, C] input with a per-source logit per item"
         return "attend_shared", "one routing for the call (2-D input or a shared field)"
 
     def _drops_attention(self) -> bool:
@@ -596,12 +630,12 @@ class QSVConv(MessagePassing):
 
     # ---------------------------------------------------------------- forward
     @overload
-    def forward(self, x, edge_index, quat=None, pos=None, size=None,
+    def forward(self, x, edge_index, edge_attr=None, quat=None, pos=None, size=None,
                 return_attention_weights: typing.Literal[False] | None = None) -> Tensor:
         pass
 
     @overload
-    def forward(self, x, edge_index, quat=None, pos=None, size=None,
+    def forward(self, x, edge_index, edge_attr=None, quat=None, pos=None, size=None,
                 return_attention_weights: typing.Literal[True] = True
                 ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         pass
@@ -610,6 +644,7 @@ class QSVConv(MessagePassing):
         self,
         x: Union[Tensor, Tuple[Tensor, OptTensor]],
         edge_index: Adj,
+        edge_attr: OptTensor = None,
         quat: Union[Tensor, Tuple[OptTensor, OptTensor], None] = None,
         pos: Union[Tensor, Tuple[OptTensor, OptTensor], None] = None,
         size: Size = None,
@@ -624,6 +659,11 @@ class QSVConv(MessagePassing):
                 :class:`~torch_geometric.EdgeIndex`, or a sparse adjacency
                 (``torch.sparse`` or ``SparseTensor``) in PyG's transposed
                 convention.
+            edge_attr (torch.Tensor, optional): Edge features ``[E, edge_dim]``
+                (or ``[E]`` for ``edge_dim=1``), in the order of ``edge_index``
+                (the layer needs ``edge_dim``). A ``SparseTensor``'s values
+                serve as edge features when this is not given, as in GATConv.
+                (default: :obj:`None`)
             quat (torch.Tensor or pair, optional): Per-node quaternions
                 ``[N, heads, 4]`` (normalised inside); see ``quat_source``.
             pos (torch.Tensor or pair, optional): Node positions, required by
@@ -639,6 +679,7 @@ class QSVConv(MessagePassing):
         else:
             x_src, x_dst = x
         self._check_call(x_src, x_dst, edge_index)
+        edge_attr = self._check_edge_attr(edge_attr, edge_index)
         x_root = x_dst  # the root weight reads the raw target features
         if self.project_input:
             x_src, x_dst = self._project_input(x_src, x_dst)
@@ -654,16 +695,25 @@ class QSVConv(MessagePassing):
                              "features x=(x_src, x_dst) or quat=(quat_src, quat_dst)")
         pos_pair = self._positions(pos, x_src.size(-2), num_dst)
         if self.add_self_loops:
-            edge_index = with_self_loops(edge_index, x_src, x_dst, size)
+            if isinstance(edge_index, SparseTensor) and self.edge_dim is not None:
+                raise NotImplementedError(
+                    "QSVConv: edge features and add_self_loops=True together are not "
+                    "supported for a SparseTensor adjacency (as in GATConv); pass an "
+                    "edge_index and edge_attr")
+            edge_index, edge_attr = with_self_loops_and_attr(
+                edge_index, x_src, x_dst, size, edge_attr, self.fill_value)
+        # The per-source score a_h^T x_j, per node ([*, N_src, H]).
+        src_score = self.lin_source(x_src) if self.lin_source is not None else None
 
         path = self.choose_path(x_pad, q_src, edge_index)
         if path == "message_passing":
             z, alpha = self._message_passing(x_pad, q_src, q_dst, pos_pair, edge_index,
-                                             num_dst)
+                                             num_dst, edge_attr, src_score)
             z_h, b = z.movedim(-2, 0).reshape(H, -1, C), 0
         else:
             z_h, alpha, b = self._attend(path, x_pad, q_src, q_dst, pos_pair, edge_index,
-                                         num_dst, bool(return_attention_weights))
+                                         num_dst, bool(return_attention_weights),
+                                         edge_attr, src_score)
         out = self._project(z_h, b, (*x_src.shape[:-2], num_dst))
         if self.lin_skip is not None and x_root is not None:
             out = out + self.lin_skip(x_root)
@@ -679,6 +729,40 @@ class QSVConv(MessagePassing):
             elif isinstance(edge_index, SparseTensor):
                 return out, edge_index.set_value(alpha, layout="coo")
         return out
+
+    def _check_edge_attr(self, edge_attr: OptTensor, edge_index: Adj) -> OptTensor:
+        """``edge_attr`` as ``[E, edge_dim]`` (a ``[E]`` vector is one feature),
+        checked against the layer and the edges."""
+        # isinstance, not `is not None`: under torch.fx tracing (to_hetero) an
+        # unused optional input is a proxy.
+        if not isinstance(edge_attr, Tensor):
+            return None
+        if self.lin_edge is None:
+            raise ValueError("QSVConv received edge_attr but was built without edge_dim; "
+                             "pass edge_dim=<number of edge features> (quaternions go "
+                             "in quat=...)")
+        _check_float(edge_attr, "edge_attr")
+        if edge_attr.dim() == 1:
+            edge_attr = edge_attr.view(-1, 1)
+        if edge_attr.dim() != 2:
+            raise ValueError(f"QSVConv: edge_attr must have shape [num_edges, edge_dim] "
+                             f"or [num_edges], got {tuple(edge_attr.shape)} (quaternions "
+                             f"go in quat=...)")
+        if self.edge_dim != -1 and edge_attr.size(1) != self.edge_dim:
+            raise ValueError(f"QSVConv: edge_attr has {edge_attr.size(1)} features per "
+                             f"edge but edge_dim={self.edge_dim}")
+        if isinstance(edge_index, SparseTensor):
+            num_edges = edge_index.nnz()
+        elif is_torch_sparse_tensor(edge_index):
+            num_edges = edge_index._nnz()
+        else:
+            num_edges = edge_index.size(1)
+        if edge_attr.size(0) != num_edges:
+            raise ValueError(f"QSVConv: edge_attr has {edge_attr.size(0)} rows but there "
+                             f"are {num_edges} edges")
+        if self.check_finite and not is_compiling():
+            _check_finite(edge_attr, "edge features (edge_attr)")
+        return edge_attr
 
     def _project_input(self, x_src: Tensor, x_dst: OptTensor) -> Tuple[Tensor, OptTensor]:
         """``(P x_src, P x_dst)`` of ``project_input`` (one map unless bipartite)."""
@@ -725,22 +809,75 @@ class QSVConv(MessagePassing):
         return proj.reshape(*lead_out, width)
 
     # -------------------------------------------------------------- fast path
-    def _routing_keys(self, q_src: Tensor, q_dst: OptTensor,
-                      pos: Tuple[OptTensor, OptTensor], num_src: int, num_dst: int,
+    def _routing_keys(self, q_src: Tensor, q_dst: OptTensor, num_src: int, num_dst: int,
                       ref: Tensor) -> Tuple[Tensor, Tensor]:
         """Routing keys ``[*, N, H, D]`` of the operator (``logit = beta *
-        <k_i, k_j>``, :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`)."""
+        <k_i, k_j>``, :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`): the
+        quaternions for learned routing, none (``D = 0``) for uniform and
+        geometric routing (whose logit is the additive term,
+        :meth:`_edge_logit`)."""
         if self.routing in ("learned", "abs"):
             assert q_dst is not None
             return q_src, q_dst  # Re(q_i* q_j) = <q_i, q_j>
-        if self.routing == "uniform":  # no keys: equal logits, alpha = 1 / deg
-            return ref.new_empty(num_src, self.heads, 0), ref.new_empty(num_dst, self.heads, 0)
-        assert pos[0] is not None and pos[1] is not None
-        return geometric_keys(pos[0], pos[1], self.heads)
+        return ref.new_empty(num_src, self.heads, 0), ref.new_empty(num_dst, self.heads, 0)
+
+    def _edge_logit(self, graph, base_perm: Tensor, copies: int,
+                    pos: Tuple[OptTensor, OptTensor], edge_attr: OptTensor,
+                    src_score: OptTensor) -> OptTensor:
+        """The operator's additive logit term ``[E, H]`` in ``graph``'s
+        target-sorted order (``copies`` copies of the base graph, whose sorted
+        edges are ``base_perm``), or None: the edge features' score
+        ``lin_edge(e_ij)``, the source score ``a_h^T x_j`` gathered per edge, and
+        distance routing's :math:`-\beta |p_i - p_j|^2` (exact wherever the
+        positions sit)."""
+        terms = []
+        if edge_attr is not None:
+            assert self.lin_edge is not None
+            t = self.lin_edge(edge_attr[base_perm])
+            terms.append(t.repeat(copies, 1) if copies > 1 else t)
+        if src_score is not None:
+            terms.append(src_score.reshape(-1, self.heads)[graph.col])
+        if self.routing == "geometric":
+            assert pos[0] is not None and pos[1] is not None
+            p_src, p_dst = pos
+            if copies > 1:
+                p_src, p_dst = _flat_batch(p_src, copies), _flat_batch(p_dst, copies)
+            terms.append(distance_logits(p_dst[graph.row], p_src[graph.col], self.beta))
+        if not terms:
+            return None
+        out = terms[0]
+        for t in terms[1:]:
+            out = out + t
+        return out
+
+    def _edge_message_sum(self, graph, base_perm: Tensor, copies: int, edge_attr: Tensor,
+                          weights: Tensor, q_src: OptTensor, q_dst: OptTensor,
+                          num_dst: int, C: int) -> Tensor:
+        r"""The edge features' part of the aggregate, :math:`Q_i^\top \sum_j
+        \alpha_{ij} Q_j \mathbf{W}_m e_{ij}` ``[N_dst', H, C / 4, 4]`` (the
+        embedding joins :math:`x_j` in the source's frame, so the transport
+        rotates it as the message): PyTorch ops around the operator, in float32
+        (as the operator), differentiable through the weights."""
+        assert self.lin_edge_msg is not None
+        H = self.heads
+        emb = self.lin_edge_msg(edge_attr[base_perm])
+        if copies > 1:
+            emb = emb.repeat(copies, 1)
+        dt = weights.dtype
+        with torch.autocast(weights.device.type, enabled=False):
+            w = emb.to(dt).view(-1, H, C // 4, 4)
+            if q_src is not None:
+                w = rotate_blocks(w, q_src.to(dt)[graph.col], False)
+            y = w.new_zeros(num_dst, H, C // 4, 4).index_add(
+                0, graph.row, weights.view(-1, H, 1, 1) * w)
+            if q_dst is not None:
+                y = rotate_blocks(y, q_dst.to(dt), True)
+        return y
 
     def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
                 pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int,
-                want_alpha: bool = True) -> Tuple[Tensor, Tensor, int]:
+                want_alpha: bool = True, edge_attr: OptTensor = None,
+                src_score: OptTensor = None) -> Tuple[Tensor, Tensor, int]:
         """Aggregate by the registered operator; returns ``(z_h [H, M, C], alpha,
         b)``, rows node-major ``(n, b)`` when ``b > 0`` (:meth:`_project`).
         ``alpha`` is in the order of ``edge_index`` when ``want_alpha``, else in
@@ -749,35 +886,44 @@ class QSVConv(MessagePassing):
         C = x.size(-1) // H
         edge_index = plain_edge_index(edge_index)
         n_src = x.size(-2)
-        k_src, k_dst = self._routing_keys(q_src, q_dst, pos, n_src, num_dst, x)
         rotate = self.transport == "sandwich"
         use_abs = self.routing == "abs"
         B = x.size(0) if x.dim() == 3 else 1
-        if path == "attend_per_item":
-            graph = graph_csr(edge_index, n_src, num_dst, batch=B)
-            v = x.reshape(B * n_src, H, C // 4, 4)
-            assert q_dst is not None or not rotate
-            mask = self._dropout_mask(graph.col.numel(), x)
-            z, alpha = qsv_attend(v, _flat_batch(q_src, B) if rotate else None,
-                                  _flat_batch(q_dst, B) if rotate else None,
-                                  _flat_batch(k_src, B), _flat_batch(k_dst, B), self.beta,
-                                  graph, use_abs, edge_scale=mask)
-            if want_alpha:
-                if mask is not None:  # the weights used, as GATConv returns them
-                    alpha = alpha * mask.to(alpha.dtype)
-                alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
-            return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
-        graph = graph_csr(edge_index, n_src, num_dst)
-        # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
-        v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(
-            n_src, H, B * C // 4, 4)
+        per_item = path == "attend_per_item"
+        base = graph_csr(edge_index, n_src, num_dst)
+        graph = graph_csr(edge_index, n_src, num_dst, batch=B) if per_item else base
+        copies = B if per_item else 1
+        if per_item:
+            q_s = _flat_batch(q_src, B) if rotate else None
+            q_d = _flat_batch(q_dst, B) if rotate else None
+        else:
+            q_s = q_src if rotate else None
+            q_d = q_dst if rotate else None
+        k_src, k_dst = self._routing_keys(q_src, q_dst, n_src, num_dst, x)
+        if per_item:
+            k_src, k_dst = _flat_batch(k_src, B), _flat_batch(k_dst, B)
+        logit = self._edge_logit(graph, base.perm, copies, pos, edge_attr, src_score)
         mask = self._dropout_mask(graph.col.numel(), x)
-        z, alpha = qsv_attend(v, q_src if rotate else None, q_dst if rotate else None,
-                              k_src, k_dst, self.beta, graph, use_abs, edge_scale=mask)
-        if want_alpha:
-            if mask is not None:
-                alpha = alpha * mask.to(alpha.dtype)
-            alpha = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+        if per_item:
+            v = x.reshape(B * n_src, H, C // 4, 4)
+        else:  # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
+            v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(
+                n_src, H, B * C // 4, 4)
+        z, alpha = qsv_attend(v, q_s, q_d, k_src, k_dst, self.beta, graph, use_abs,
+                              edge_scale=mask, edge_logit=logit)
+        used = alpha if mask is None else alpha * mask.to(alpha.dtype)  # the weights used
+        if self.edge_message and edge_attr is not None:
+            extra = self._edge_message_sum(graph, base.perm, copies, edge_attr, used, q_s,
+                                           q_d, copies * num_dst, C)
+            if per_item:
+                z = z + extra.to(z.dtype)
+            else:
+                z = (z.view(num_dst, H, B, C // 4, 4) + extra.to(z.dtype).unsqueeze(2)
+                     ).view(z.shape)
+        if want_alpha:  # in edge order, the weights used, as GATConv returns them
+            alpha = torch.empty_like(used).index_copy_(0, graph.perm, used)
+        if per_item:
+            return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
         z_h = z.view(num_dst, H, B * C).transpose(0, 1).reshape(H, num_dst * B, C)
         if x.dim() == 3:
             return z_h, alpha.expand(B, -1, -1), B
@@ -795,7 +941,8 @@ class QSVConv(MessagePassing):
 
     # ------------------------------------------------------- message passing
     def _message_passing(self, x: Tensor, q_src: Tensor, q_dst: OptTensor,
-                         pos: Tuple[OptTensor, OptTensor], edge_index: Adj, num_dst: int
+                         pos: Tuple[OptTensor, OptTensor], edge_index: Adj, num_dst: int,
+                         edge_attr: OptTensor = None, src_score: OptTensor = None
                          ) -> Tuple[Tensor, Tensor]:
         """PyG's ``propagate``; returns ``z [*, N_dst, H, C]`` and alpha. A
         ``[B, N, C]`` batch runs over ``B`` disjoint copies of the graph."""
@@ -813,21 +960,32 @@ class QSVConv(MessagePassing):
         if rot_src is not None:
             v = matrix_rotate_blocks(rot_src, v)
         v = v.reshape(*lead, H, C)
+        # The message's edge embedding is rotated by q_j in message().
+        rot_msg = rot_src if self.edge_message else None
         if x.dim() == 2:
             size = (x.size(0), num_dst)
-            alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos, size=size)
-            z = self.propagate(edge_index, x=(v, None), alpha=alpha, size=size)
+            alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos,
+                                      edge_attr=edge_attr, s=(src_score, None), size=size)
+            z = self.propagate(edge_index, x=(v, None), alpha=alpha, edge_attr=edge_attr,
+                               rot=(rot_msg, None), size=size)
         else:
             if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
                 raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
             B, n_src = v.size(0), v.size(1)
             flat_index = cached_batch_edge_index(edge_index, B, n_src, num_dst)
             size = (B * n_src, B * num_dst)
+            flat_attr = None if edge_attr is None else edge_attr.repeat(B, 1)
+            flat_score = None if src_score is None else src_score.reshape(B * n_src, H)
+            if rot_msg is not None:
+                rot_msg = rot_msg.reshape(B * n_src, H, 3, 3) if rot_msg.dim() == 5 else \
+                    rot_msg.unsqueeze(0).expand(B, *rot_msg.shape).reshape(B * n_src, H, 3, 3)
             alpha = self.edge_updater(
                 flat_index, q=(_flat_batch(q_src, B), _flat_batch(q_dst, B)),
-                pos=(_flat_batch(pos[0], B), _flat_batch(pos[1], B)), size=size)
+                pos=(_flat_batch(pos[0], B), _flat_batch(pos[1], B)), edge_attr=flat_attr,
+                s=(flat_score, None), size=size)
             z = self.propagate(flat_index, x=(v.reshape(B * n_src, H, C), None),
-                               alpha=alpha, size=size)
+                               alpha=alpha, edge_attr=flat_attr, rot=(rot_msg, None),
+                               size=size)
             z, alpha = z.view(B, num_dst, H, C), alpha.view(B, -1, H)
         if rot_dst is not None:
             z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
@@ -836,24 +994,42 @@ class QSVConv(MessagePassing):
         return z, alpha
 
     def edge_update(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
-                    pos_j: OptTensor, index: Tensor, ptr: OptTensor,
-                    dim_size: Optional[int]) -> Tensor:
+                    pos_j: OptTensor, edge_attr: OptTensor, s_j: OptTensor, index: Tensor,
+                    ptr: OptTensor, dim_size: Optional[int]) -> Tensor:
         if self.routing == "uniform":  # equal logits: the softmax gives 1 / deg
             ref = q_j if q_j is not None else pos_j
+            if ref is None:
+                ref = s_j if s_j is not None else edge_attr
             assert ref is not None
             logits = ref.new_zeros(index.numel(), self.heads)
         elif self.routing == "geometric":
             assert pos_i is not None and pos_j is not None
-            logits = -(pos_i - pos_j).pow(2).sum(dim=-1, keepdim=True) * self.beta
+            logits = distance_logits(pos_i, pos_j, self.beta)
         else:
             assert q_i is not None and q_j is not None
             logits, _ = routing_logits(q_i, q_j, self.beta, self.routing == "abs")
+        # A SparseTensor's values arrive as edge_attr too; without edge_dim they
+        # are not edge features (as in GATConv).
+        if edge_attr is not None and self.lin_edge is not None:
+            logits = logits + self.lin_edge(edge_attr.view(-1, 1) if edge_attr.dim() == 1
+                                            else edge_attr)
+        if s_j is not None:
+            logits = logits + s_j
         if index.numel() == 0:
             return logits
         alpha = softmax(logits, index, ptr, dim_size)
         return F.dropout(alpha, p=self.dropout, training=self.training)
 
-    def message(self, x_j: Tensor, alpha: Tensor) -> Tensor:
+    def message(self, x_j: Tensor, alpha: Tensor, edge_attr: OptTensor,
+                rot_j: OptTensor) -> Tensor:
+        if self.lin_edge_msg is not None and edge_attr is not None:
+            # W_m e_ij joins x_j in the source's frame: rotated by q_j as x_j was.
+            emb = self.lin_edge_msg(edge_attr.view(-1, 1) if edge_attr.dim() == 1
+                                    else edge_attr)
+            emb = emb.view(*x_j.shape[:-1], -1, 4)
+            if rot_j is not None:
+                emb = matrix_rotate_blocks(rot_j, emb)
+            x_j = x_j + emb.reshape(x_j.shape)
         return alpha.unsqueeze(-1) * x_j
 
     def __repr__(self) -> str:

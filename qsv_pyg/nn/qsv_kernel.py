@@ -5,7 +5,8 @@ graph: variable degree, bipartite, isolated targets) and every head:
 
 .. math::
     \mathbf{u}_j = Q_j \mathbf{v}_j, \quad
-    \alpha_{ij} = \operatorname{softmax}_j\big(\beta\, \langle k_i, k_j \rangle\big),
+    \alpha_{ij} = \operatorname{softmax}_j\big(\beta\, \langle k_i, k_j \rangle
+    + b_{ij}\big),
     \quad \mathbf{y}_i = \textstyle\sum_j \alpha_{ij} s_{ij} \mathbf{u}_j, \quad
     \mathbf{z}_i = Q_i^\top \mathbf{y}_i,
 
@@ -17,7 +18,11 @@ The per-edge scale :math:`s_{ij}` is optional (``scale`` ``[E, H]`` in the
 graph's target-sorted edge order, or empty for :math:`s = 1`, which costs
 nothing): attention dropout passes its mask divided by :math:`1 - p`. It is
 a constant to autograd (no gradient), and the returned weights are the
-unscaled :math:`\alpha`.
+unscaled :math:`\alpha`. The additive logit term :math:`b_{ij}` is optional
+too (``bias`` ``[E, H]``, same order, empty for none at no cost): the logit is
+:math:`\beta \langle k_i, k_j \rangle + b_{ij}` (edge features, a per-source
+score, or an exact distance logit), and its gradient is
+:math:`\partial L / \partial \mathrm{logit}_{ij}`.
 The backward is written out by hand; nothing of size ``[E, H, C]`` is stored
 on CPU. Under ``create_graph=True`` it runs as differentiable PyTorch ops
 instead (the forward recomputed by :func:`_forward_torch`, then
@@ -38,7 +43,7 @@ in float32 whatever the features' dtype (quaternions are never rounded to bf16).
 
 :func:`routing_logits` is the routing logit in Python, shared by the PyTorch
 implementation and :class:`~qsv_pyg.nn.QSVConv`'s message-passing path;
-:func:`geometric_keys` turns distance routing into keys.
+:func:`distance_logits` is distance routing's logit, passed as the additive term.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ from ._cpu_ext import cpu_kernel
 from .csr import GraphCSR
 
 Tensors5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-Tensors6 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 #: The implementations of the operator, in the order :func:`backend` tries them.
 BACKENDS = ("triton", "cpp", "torch")
@@ -98,14 +103,16 @@ def routing_logits(k_dst: Tensor, k_src: Tensor, beta: Tensor,
     return (dot.abs() if use_abs else dot) * beta, dot
 
 
-def geometric_keys(p_src: Tensor, p_dst: Tensor, heads: int) -> Tuple[Tensor, Tensor]:
-    r"""Keys ``[N, heads, D + 1]`` of distance routing: :math:`\langle k_i, k_j
-    \rangle = 2 \langle p_i, p_j \rangle - |p_j|^2 = -|p_i - p_j|^2 + |p_i|^2`,
-    the logit :math:`-\beta |p_i - p_j|^2` up to a per-target constant (which
-    the softmax ignores)."""
-    k_s = torch.cat([p_src, p_src.pow(2).sum(-1, keepdim=True)], dim=-1)
-    k_d = torch.cat([2 * p_dst, -torch.ones_like(p_dst[:, :1])], dim=-1)
-    return k_s.unsqueeze(-2).expand(-1, heads, -1), k_d.unsqueeze(-2).expand(-1, heads, -1)
+def distance_logits(p_dst: Tensor, p_src: Tensor, beta: Tensor) -> Tensor:
+    r"""Distance routing's logits :math:`-\beta_h |p_i - p_j|^2` ``[E, H]`` of
+    every edge's target and source positions ``[E, D]``: the difference is taken
+    first, so the logit is exact to rounding wherever the cloud sits (expanding
+    it into dot products, :math:`2\langle p_i, p_j\rangle - |p_j|^2`, cancels
+    catastrophically away from the origin: in float32 the weights were off by
+    0.1 for a cloud shifted by 1000). :class:`~qsv_pyg.nn.QSVConv` passes it as
+    the operator's additive logit term, on both paths."""
+    d2 = (p_dst - p_src).pow(2).sum(-1, keepdim=True)
+    return -d2 * beta
 
 
 def _rotate(t: Tensor, q: Tensor, transpose: bool) -> Tensor:
@@ -123,10 +130,13 @@ def _outer_grad(q: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return block_matrix_to_quaternion_grad(q, g.view(n, h, 4, 4))
 
 
-def _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, use_abs, rotate):
+def _forward_torch(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, use_abs,
+                   rotate):
     num_dst, E, H = rowptr.numel() - 1, col.numel(), v.size(1)
     src = _rotate(v, qs, False) if rotate else v
     logits, dot = routing_logits(kd[row], ks[col], beta, use_abs)
+    if bias.numel():
+        logits = logits + bias
     idx = row.view(-1, 1).expand(-1, H)
     mx = logits.new_full((num_dst, H), float("-inf")).scatter_reduce(
         0, idx, logits, "amax", include_self=True)
@@ -141,7 +151,7 @@ def _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, use_abs, ro
 
 
 def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u,
-                    y, use_abs, rotate, need_v, need_q, need_k):
+                    y, use_abs, rotate, need_v, need_q, need_k, need_bias):
     E, H = alpha.shape
     scaled = scale.numel() > 0
     gy = _rotate(gz, qd, False) if rotate else gz
@@ -152,7 +162,8 @@ def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha,
     if galpha is not None:
         ga = ga + galpha
     sa = ga.new_zeros(gy.size(0), H).index_add(0, row, alpha * ga)
-    gs = alpha * (ga - sa[row])
+    gs = alpha * (ga - sa[row])  # dL/dlogit, the additive term's gradient
+    gbias = gs if need_bias else v.new_empty(0)
     gbeta = (gs * (dot.abs() if use_abs else dot)).sum(0)
     gd = gs * beta * (dot.sign() if use_abs else 1.0)
     gks, gkd, gv, gqs, gqd = (v.new_empty(0) for _ in range(5))  # distinct: no aliasing
@@ -167,47 +178,51 @@ def _backward_torch(gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha,
         if need_q:  # u = Q_j v and z = Q_i^T y
             gqs = _outer_grad(qs, gu, v)
             gqd = _outer_grad(qd, y, gz)
-    return gv, gqs, gqd, gks, gkd, gbeta
+    return gv, gqs, gqd, gks, gkd, gbeta, gbias
 
 
 @torch.library.custom_op("qsv_pyg::attend", mutates_args=())
 def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
-           scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
-           perm_t: Tensor, row_t: Tensor, use_abs: bool, rotate: bool) -> Tensors5:
+           scale: Tensor, bias: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
+           rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, use_abs: bool,
+           rotate: bool) -> Tensors5:
     """Forward: ``(z, alpha, u, y, dot)``; ``u``, ``y`` (empty unless
     ``rotate``) and ``dot`` are kept for the backward. ``scale``: the per-edge
     scale ``[E, H]`` of the aggregation, or empty for none; ``alpha`` is the
-    unscaled softmax either way."""
-    _check_scale(scale, col.size(0), v.size(1))
+    unscaled softmax either way. ``bias``: the additive logit term ``[E, H]``,
+    or empty for none (``dot`` is the key product alone either way)."""
+    _check_edge_input(scale, "scale", col.size(0), v.size(1))
+    _check_edge_input(bias, "bias", col.size(0), v.size(1))
     _, impl = _implementation(v)
     if impl is None:
-        return _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, use_abs,
-                              rotate)
-    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, scale, rowptr, col, use_abs,
-                                       rotate)
+        return _forward_torch(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row,
+                              use_abs, rotate)
+    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col,
+                                       use_abs, rotate)
     return z, alpha, u, y, dot
 
 
-def _check_scale(scale: Tensor, E, H) -> None:
-    """The operator's ``scale`` is empty (no scale) or ``[E, H]`` (torch._check:
-    also a runtime assert under torch.compile with dynamic shapes)."""
-    if scale.numel() == 0:
+def _check_edge_input(t: Tensor, name: str, E, H) -> None:
+    """The operator's ``scale`` / ``bias`` is empty (none) or ``[E, H]``
+    (torch._check: also a runtime assert under torch.compile with dynamic shapes)."""
+    if t.numel() == 0:
         return
 
     def message() -> str:
-        return f"qsv_pyg::attend: scale {tuple(scale.shape)} must be empty or [E, H] = " \
+        return f"qsv_pyg::attend: {name} {tuple(t.shape)} must be empty or [E, H] = " \
                f"[{E}, {H}]"
 
-    torch._check(scale.dim() == 2, message)
-    torch._check(scale.size(0) == E, message)
-    torch._check(scale.size(1) == H, message)
+    torch._check(t.dim() == 2, message)
+    torch._check(t.size(0) == E, message)
+    torch._check(t.size(1) == H, message)
 
 
 @attend.register_fake
-def _(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs,
-      rotate):
+def _(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t, perm_t, row_t,
+      use_abs, rotate):
     num_dst, E = rowptr.size(0) - 1, col.size(0)
-    _check_scale(scale, E, v.size(1))
+    _check_edge_input(scale, "scale", E, v.size(1))
+    _check_edge_input(bias, "bias", E, v.size(1))
     z = v.new_empty(num_dst, *v.shape[1:])
     kept = (v.new_empty(v.shape), v.new_empty(z.shape)) if rotate else \
         (v.new_empty(0), v.new_empty(0))
@@ -220,40 +235,42 @@ def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
                     rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
                     perm_t: Tensor, row_t: Tensor, alpha: Tensor, dot: Tensor, u: Tensor,
                     y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
-                    need_k: bool) -> Tensors6:
-    """Gradients ``(v, qs, qd, ks, kd, beta)``; empty where not needed."""
+                    need_k: bool, need_bias: bool) -> Tensors7:
+    """Gradients ``(v, qs, qd, ks, kd, beta, bias)``; empty where not needed.
+    The additive term itself is not an input: its gradient is ``dL/dlogit``,
+    which needs only the saved weights."""
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
     name, impl = _implementation(v)
     if name == "triton":
         return triton_kernel.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr,
                                       col, rowptr_t, perm_t, row_t, alpha, u, y, use_abs,
-                                      rotate, need_v, need_q, need_k)
+                                      rotate, need_v, need_q, need_k, need_bias)
     if impl is not None:  # the C++ kernel also takes the saved dot products
         out = impl.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col,
                             rowptr_t, perm_t, row_t, alpha, dot, u, y, use_abs, rotate,
-                            need_v, need_q, need_k)
+                            need_v, need_q, need_k, need_bias)
         return tuple(out)  # type: ignore[return-value]
-    gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
+    gv, gqs, gqd, gks, gkd, gbeta, gbias = _backward_torch(
         gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
-        rotate, need_v, need_q, need_k)
-    return gv, gqs, gqd, gks, gkd, gbeta
+        rotate, need_v, need_q, need_k, need_bias)
+    return gv, gqs, gqd, gks, gkd, gbeta, gbias
 
 
 @attend_backward.register_fake
 def _(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t,
-      row_t, alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k):
+      row_t, alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k, need_bias):
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
 
     def like(t: Tensor, need: bool) -> Tensor:
         return t.new_empty(t.shape) if need else t.new_empty(0)
 
     return (like(v, need_v), like(qs, need_q), like(qd, need_q), like(ks, need_k),
-            like(kd, need_k), beta.new_empty(beta.shape))
+            like(kd, need_k), beta.new_empty(beta.shape), like(alpha, need_bias))
 
 
 def _setup_context(ctx, inputs, output):
-    (v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, use_abs,
-     rotate) = inputs
+    (v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t, perm_t, row_t,
+     use_abs, rotate) = inputs
     z, alpha, u, y, dot = output
     ctx.mark_non_differentiable(u, y, dot)
     # No zero-filled gradients for u, y and dot (never differentiated) or for an
@@ -261,15 +278,16 @@ def _setup_context(ctx, inputs, output):
     # literal drop-in two 15 MB fills, about a fifth of a training step).
     ctx.set_materialize_grads(False)
     ctx.flags = (use_abs, rotate)
-    ctx.save_for_backward(v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t,
+    ctx.save_for_backward(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t,
                           perm_t, row_t, alpha, dot, u, y)
 
 
 def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
-    (v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u,
-     y) = ctx.saved_tensors
+    (v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t, perm_t, row_t, alpha,
+     dot, u, y) = ctx.saved_tensors
     use_abs, rotate = ctx.flags
     nv, nqs, nqd, nks, nkd, nbeta = ctx.needs_input_grad[:6]
+    nbias = ctx.needs_input_grad[7] and bias.numel() > 0
     if gz is None:
         gz = v.new_zeros(rowptr.numel() - 1, *v.shape[1:])
     if torch.is_grad_enabled():
@@ -281,20 +299,21 @@ def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
         # derivatives (autograd of both), at the PyTorch path's speed. The scale
         # is a constant (it gets no gradient, so none of second order either).
         scale = scale.detach()
-        _, alpha, u, y, dot = _forward_torch(v, qs, qd, ks, kd, beta, scale, rowptr, col,
-                                             row, use_abs, rotate)
-        gv, gqs, gqd, gks, gkd, gbeta = _backward_torch(
+        _, alpha, u, y, dot = _forward_torch(v, qs, qd, ks, kd, beta, scale, bias, rowptr,
+                                             col, row, use_abs, rotate)
+        gv, gqs, gqd, gks, gkd, gbeta, gbias = _backward_torch(
             gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
-            rotate, nv, (nqs or nqd) and rotate, (nks or nkd) and ks.size(-1) > 0)
+            rotate, nv, (nqs or nqd) and rotate, (nks or nkd) and ks.size(-1) > 0, nbias)
     else:
-        gv, gqs, gqd, gks, gkd, gbeta = attend_backward(
+        gv, gqs, gqd, gks, gkd, gbeta, gbias = attend_backward(
             gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd,
             ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u,
-            y, use_abs, rotate, nv, nqs or nqd, nks or nkd)
+            y, use_abs, rotate, nv, nqs or nqd, nks or nkd, nbias)
     return (gv if nv else None, gqs if nqs and gqs.numel() else None,
             gqd if nqd and gqd.numel() else None, gks if nks and gks.numel() else None,
             gkd if nkd and gkd.numel() else None, gbeta if nbeta else None,
             None,  # scale: a constant (a dropout mask)
+            gbias if nbias else None,
             None, None, None, None, None, None, None, None)
 
 
@@ -305,7 +324,8 @@ for _device in ("cpu", "cuda"):
 
 def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_src: Tensor,
                k_dst: Tensor, beta: Tensor, graph: GraphCSR, use_abs: bool = False,
-               edge_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+               edge_scale: Optional[Tensor] = None,
+               edge_logit: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r"""QSV attention of ``graph`` (see the module docstring).
 
     Args:
@@ -322,6 +342,11 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
             the returned weights): :math:`y_i = \sum_j \alpha_{ij} s_{ij} u_j`.
             Attention dropout passes its mask divided by :math:`1 - p`. A
             constant to autograd: no gradient flows to it.
+        edge_logit: an optional additive logit term :math:`b_{ij}` ``[E, H]``,
+            in the same order: the logit is :math:`\beta \langle k_i, k_j
+            \rangle + b_{ij}` (or with :math:`|\cdot|`). Differentiable: its
+            gradient is :math:`\partial L / \partial \mathrm{logit}_{ij}`.
+            :obj:`None` costs nothing.
 
     Returns:
         ``z`` ``[N_dst, H, M, 4]`` and the attention weights ``[E, H]`` in the
@@ -348,6 +373,10 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
         raise ValueError(f"qsv_attend: edge_scale {tuple(edge_scale.shape)} must be "
                          f"[E, H] = [{num_edges}, {heads}] (one per edge and head, in the "
                          f"graph's target-sorted edge order)")
+    if edge_logit is not None and edge_logit.shape != (num_edges, heads):
+        raise ValueError(f"qsv_attend: edge_logit {tuple(edge_logit.shape)} must be "
+                         f"[E, H] = [{num_edges}, {heads}] (one per edge and head, in the "
+                         f"graph's target-sorted edge order)")
     # The operator computes in float32 (float64 for float64 features): half-precision
     # features are widened, and the quaternions, keys and β are never rounded to the
     # features' dtype (a bf16 quaternion is off the unit sphere by up to ~6e-3).
@@ -358,9 +387,11 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
     empty = v.new_empty(0, heads, 4, dtype=dt)
     scale = v.new_empty(0, heads, dtype=dt) if edge_scale is None else \
         edge_scale.to(dt).contiguous()
+    bias = v.new_empty(0, heads, dtype=dt) if edge_logit is None else \
+        edge_logit.to(dt).contiguous()
     z, alpha, _, _, _ = attend(
         v.to(dt).contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
         empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
-        k_dst.to(dt).contiguous(), beta.to(dt), scale, graph.rowptr, graph.col, graph.row,
+        k_dst.to(dt).contiguous(), beta.to(dt), scale, bias, graph.rowptr, graph.col, graph.row,
         graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
     return z.to(out_dt), alpha.to(out_dt)

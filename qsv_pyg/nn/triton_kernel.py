@@ -155,25 +155,28 @@ def _check_graph(rowptr: Tensor, col: Tensor, num_src: int) -> None:
                         "non-decreasing from 0 to E, col within [0, N_src))")
 
 
-def _check_scale(scale: Tensor, E: int, H: int) -> bool:
-    """Whether there is a scale (empty: none); else it must be ``[E, H]``."""
+def _check_scale(scale: Tensor, E: int, H: int, name: str = "scale") -> bool:
+    """Whether there is a ``scale`` (or ``bias``; empty: none); else it must
+    be ``[E, H]``."""
     if scale.numel() == 0:
         return False
     if scale.shape != (E, H):
-        raise RuntimeError(f"qsv_pyg triton: scale {tuple(scale.shape)} must be empty or "
+        raise RuntimeError(f"qsv_pyg triton: {name} {tuple(scale.shape)} must be empty or "
                            f"[E, H] = [{E}, {H}]")
     return True
 
 
 def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
-            scale: Tensor, rowptr: Tensor, col: Tensor, use_abs: bool, rotate: bool):
+            scale: Tensor, bias: Tensor, rowptr: Tensor, col: Tensor, use_abs: bool,
+            rotate: bool):
     """``(z, alpha, u, y, dot)`` as ``qsv_pyg::attend``."""
-    v, qs, qd, ks, kd, beta, scale, rowptr, col = (
-        t.contiguous() for t in (v, qs, qd, ks, kd, beta, scale, rowptr, col))
+    v, qs, qd, ks, kd, beta, scale, bias, rowptr, col = (
+        t.contiguous() for t in (v, qs, qd, ks, kd, beta, scale, bias, rowptr, col))
     s = _Setup(v, ks)
     Ns, Nd, E = v.size(0), rowptr.numel() - 1, col.numel()
     _check_graph(rowptr, col, Ns)
     scaled = _check_scale(scale, E, s.H)
+    biased = _check_scale(bias, E, s.H, "bias")
     u = torch.empty_like(v) if rotate else v.new_empty(0)
     y = v.new_empty(Nd, s.H, s.M, 4) if rotate else v.new_empty(0)
     z = v.new_empty(Nd, s.H, s.M, 4)
@@ -186,9 +189,9 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     if Nd:
         s.k.forward_rows[(Nd, s.head_tiles)](
             u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v), beta,
-            _nonempty(scale, v), rowptr, col, _nonempty(y, z), z, _nonempty(alpha, z),
-            _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs, ROTATE=rotate,
-            HAS_KEYS=s.D > 0, HAS_SCALE=scaled, ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM,
+            _nonempty(scale, v), _nonempty(bias, v), rowptr, col, _nonempty(y, z), z,
+            _nonempty(alpha, z), _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs,
+            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled, HAS_BIAS=biased, ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM,
             BD=s.BD)
     return z, alpha, u, y, dot
 
@@ -197,8 +200,8 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
              ks: Tensor, kd: Tensor, beta: Tensor, scale: Tensor, rowptr: Tensor,
              col: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, alpha: Tensor,
              u: Tensor, y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
-             need_k: bool):
-    """``(gv, gqs, gqd, gks, gkd, gbeta)`` as ``qsv_pyg::attend_backward``
+             need_k: bool, need_bias: bool = False):
+    """``(gv, gqs, gqd, gks, gkd, gbeta, gbias)`` as ``qsv_pyg::attend_backward``
     (``need_q`` / ``need_k`` already cleared without rotation / keys)."""
     gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y = (t.contiguous() for t in (
         gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y))
@@ -214,17 +217,20 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
     gv = maybe(need_v, *v.shape)
     gqs, gqd = maybe(need_q, Ns, s.H, 4), maybe(need_q, Nd, s.H, 4)
     gks, gkd = maybe(need_k, Ns, s.H, s.D), maybe(need_k, Nd, s.H, s.D)
+    ga_buf = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
     gd = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
+    gbias = maybe(need_bias, E, s.H)
     gbeta_part = torch.zeros(Nd, s.H, dtype=s.acc_dtype, device=v.device)
     CALLS["backward"] += 1
     if Nd:
         s.k.backward_rows[(Nd, s.head_tiles)](
             gz, v if galpha is None else galpha, u if rotate else v, _nonempty(qd, v),
             _nonempty(ks, v), _nonempty(kd, v), beta, _nonempty(scale, v), rowptr, col,
-            _nonempty(alpha, v), _nonempty(y, v), _nonempty(gd, gbeta_part), gbeta_part,
-            _nonempty(gqd, v), _nonempty(gkd, v), s.H, s.M, s.D, USE_ABS=use_abs,
-            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None,
-            HAS_SCALE=scaled, NEED_Q=need_q, NEED_K=need_k, ACC=s.acc, BE=s.BE, BH=s.BH,
+            _nonempty(alpha, v), _nonempty(y, v), _nonempty(ga_buf, gbeta_part),
+            _nonempty(gd, gbeta_part), _nonempty(gbias, v), gbeta_part, _nonempty(gqd, v),
+            _nonempty(gkd, v), s.H, s.M, s.D, USE_ABS=use_abs, ROTATE=rotate,
+            HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None, HAS_SCALE=scaled,
+            NEED_Q=need_q, NEED_K=need_k, NEED_BIAS=need_bias, ACC=s.acc, BE=s.BE, BH=s.BH,
             BM=s.BM, BD=s.BD)
     need_u = need_v or need_q
     if Ns and (need_u or need_k):
@@ -236,4 +242,6 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
             HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v, NEED_Q=need_q, NEED_K=need_k,
             ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
     gbeta = gbeta_part.sum(0).to(beta.dtype)
-    return gv, gqs, gqd, gks, gkd, gbeta
+    if need_bias and not Nd:
+        gbias.zero_()
+    return gv, gqs, gqd, gks, gkd, gbeta, gbias

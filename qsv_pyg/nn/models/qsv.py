@@ -80,17 +80,21 @@ class QSV(BasicGNN):
             :class:`~torch_geometric.nn.models.basic_gnn.BasicGNN`.
         **kwargs (optional): Additional arguments of
             :class:`~qsv_pyg.nn.QSVConv` (``add_self_loops``, ``root_weight``,
-            ``project_input``, ``beta_init``, ``learn_beta``, ``dense_path``, ...).
+            ``project_input``, ``beta_init``, ``learn_beta``, ``dense_path``,
+            ``edge_dim``, ``fill_value``, ``edge_message``, ``source_logit``, ...).
+            With ``edge_dim`` every layer takes the edge features ``edge_attr``
+            of :meth:`forward` (as PyG's ``GAT`` with ``edge_dim``).
 
     Shapes:
         - **input:** node features :math:`(|\mathcal{V}|, F_{in})`, edge indices
           :math:`(2, |\mathcal{E}|)`, quaternions *(given/composed)*
           :math:`(|\mathcal{V}|, 4)` or :math:`(|\mathcal{V}|, H, 4)`,
+          edge features *(optional, with edge_dim)* :math:`(|\mathcal{E}|, D)`,
           positions *(geometric routing)* :math:`(|\mathcal{V}|, D)`
         - **output:** :math:`(|\mathcal{V}|, F_{out})`
     """
     supports_edge_weight: Final[bool] = False
-    supports_edge_attr: Final[bool] = False
+    supports_edge_attr: Final[bool] = True
     supports_norm_batch: Final[bool]
 
     def __init__(
@@ -217,28 +221,36 @@ class QSV(BasicGNN):
                 subgraph, e.g. a :class:`~torch_geometric.loader.NeighborLoader`
                 batch's ``n_id``.
 
-        ``edge_weight`` and ``edge_attr`` are rejected: :class:`QSVConv` uses
-        neither. With ``num_sampled_nodes_per_hop`` the node-wise ``quat``,
-        ``pos`` and field rows are trimmed with the features.
+        ``edge_attr`` goes to every layer (which needs ``edge_dim``, as in
+        PyG's ``GAT``); ``edge_weight`` is rejected (:class:`QSVConv` has no
+        edge weights: pass them as a one-feature ``edge_attr`` with
+        ``edge_dim=1``). With ``num_sampled_nodes_per_hop`` the node-wise
+        ``quat``, ``pos`` and field rows, and the edge features, are trimmed
+        with the features and edges.
         """
         # isinstance, not `is not None`: under torch.fx tracing (to_hetero) the
         # unused optional inputs are proxies.
-        if isinstance(edge_weight, Tensor) or isinstance(edge_attr, Tensor):
-            raise ValueError("QSV does not use edge weights or edge features "
-                             "(QSVConv routes by the node quaternions)")
+        if isinstance(edge_weight, Tensor):
+            raise ValueError("QSV does not use edge weights (pass them as edge_attr "
+                             "with edge_dim=1)")
+        if isinstance(edge_attr, Tensor) and self.convs[0].edge_dim is None:
+            raise ValueError("QSV received edge_attr but was built without edge_dim; "
+                             "pass edge_dim=<number of edge features>")
+        if not isinstance(edge_attr, Tensor):
+            edge_attr = None
         q_all = self._layer_quat(quat, node_id, x.size(0))
         xs: List[Tensor] = []
         for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
             if num_sampled_nodes_per_hop is not None:
-                x, edge_index, _ = self._trim(i, num_sampled_nodes_per_hop,
-                                              num_sampled_edges_per_hop, x, edge_index,
-                                              None)
+                x, edge_index, edge_attr = self._trim(i, num_sampled_nodes_per_hop,
+                                                      num_sampled_edges_per_hop, x,
+                                                      edge_index, edge_attr)
             # Trimming keeps a prefix of the nodes, so the node-wise inputs are
             # sliced to the current node count.
             n = x.size(0)
             q = None if q_all is None else q_all[:n]
             p = pos[:n] if isinstance(pos, Tensor) else None
-            x = conv(x, edge_index, quat=q, pos=p)
+            x = conv(x, edge_index, edge_attr=edge_attr, quat=q, pos=p)
             if i < self.num_layers - 1 or self.jk_mode is not None:
                 if self.act is not None and self.act_first:
                     x = self.act(x)
