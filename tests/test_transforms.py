@@ -62,14 +62,16 @@ def line(n: int = 40) -> torch.Tensor:
     return t[:, None] * torch.tensor([1.0, 2.0, -0.5], dtype=F64)
 
 
-def neighbour_sets(edge_index: torch.Tensor, n: int):
-    return [frozenset(edge_index[0, edge_index[1] == i].tolist()) for i in range(n)]
+def neighbour_sets(edge_index: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, k]`` sorted sources per target of a canonical (target-sorted) graph."""
+    assert torch.equal(edge_index[1], torch.arange(n).repeat_interleave(edge_index.size(1) // n))
+    return edge_index[0].view(n, -1).sort(dim=1).values
 
 
 def frames_after_move(pos: torch.Tensor, k: int, seed: int = 1, rule: str = "robust"):
     """(frames, frames of the moved cloud, rotation); asserts the kNN sets agree."""
     ei, ei_moved = knn_within(pos, k), knn_within(move(pos, seed), k)
-    assert neighbour_sets(ei, len(pos)) == neighbour_sets(ei_moved, len(pos))
+    assert torch.equal(neighbour_sets(ei, len(pos)), neighbour_sets(ei_moved, len(pos)))
     return (oriented_frames(pos, ei, rule=rule),
             oriented_frames(move(pos, seed), ei_moved, rule=rule), rotation(seed))
 
