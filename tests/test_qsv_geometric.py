@@ -165,6 +165,27 @@ def test_gradients_reach_every_layer_and_a_step_lowers_the_loss():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_the_usage_pipeline_runs_on_meshes():
+    """docs/usage.md's ten lines, on two small meshes instead of ModelNet's files."""
+    from torch_geometric.loader import DataLoader
+    tetra = Data(pos=torch.tensor([[0.0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]]),
+                 face=torch.tensor([[0, 0, 0, 1], [1, 1, 2, 2], [2, 3, 3, 3]]))
+    meshes = [Data(pos=tetra.pos * (1 + i), face=tetra.face, y=torch.tensor([i % 2]))
+              for i in range(4)]
+    torch.manual_seed(0)
+    pre = T.Compose([T.SamplePoints(64), QT.NormalizeRadius(), QT.KNNGraph(k=8),
+                     QT.LocalFrames()])
+    loader = DataLoader([pre(m) for m in meshes], batch_size=2, shuffle=True)
+    model = QSVGeometric(2, **{**SMALL, "k": 8})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for data in loader:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(data), data.y)
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss)
+
+
 def _modelnet_npz() -> Path:
     """``$QSV_DATA_ROOT`` or ``shared/data`` beside the checkout (or beside the
     folder of worktrees holding it), as examples/compare.py looks for it."""
