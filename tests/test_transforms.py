@@ -12,7 +12,7 @@ from torch_geometric.data import Batch, Data
 
 import qsv_pyg.transforms as QT
 from qsv_pyg.geometry import (FRAME_RULES, frame_quaternions, knn_within, local_frames,
-                              matrix_to_quaternion, oriented_frames)
+                              oriented_frames)
 from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
 from qsv_pyg.transforms.functional import (EDGE_FEATURES, NODE_FEATURES,
                                            farthest_point_sampling, knn_graph,
@@ -211,7 +211,8 @@ def test_transforms_inside_compose_give_invariant_features():
     pos = blob(150, 3)
     a = transform(Data(pos=pos.clone()))
     b = transform(Data(pos=move(pos, 4)))
-    assert a.x.shape == (150, len(NODE_FEATURES)) and a.edge_attr.shape == (1800, len(EDGE_FEATURES))
+    assert a.x.shape == (150, len(NODE_FEATURES))
+    assert a.edge_attr.shape == (1800, len(EDGE_FEATURES))
     assert a.frame.shape == (150, 3, 3) and a.quat.shape == (150, 4)
     assert a.frame_ambiguous.dtype == torch.bool and a.frame_eigenvalues.shape == (150, 3)
     assert torch.equal(a.edge_index, b.edge_index)
@@ -278,9 +279,7 @@ def test_ambiguous_nodes_get_no_frame_dependent_features():
 def test_knn_graph_has_exactly_k_per_target_with_duplicates_and_batches():
     """torch_cluster.knn_graph can return k + 1 sources for a repeated point
     (issue 28 item 11); the canonical graph never does."""
-    pos = torch.cat([blob(30), blob(30)[:5]])
-    batch = torch.cat([torch.zeros(35), torch.ones(20)]).long()
-    pos = torch.cat([pos, blob(20, 9)])
+    pos = torch.cat([blob(30), blob(30)[:5], blob(20, 9)])  # cloud 0 repeats 5 points
     batch = torch.cat([torch.zeros(35), torch.ones(20)]).long()
     ei = knn_graph(pos, 7, batch)
     assert ei.shape == (2, 55 * 7)

@@ -84,8 +84,7 @@ class NormalizeRadius(BaseTransform):
 
 
 class KNNGraph(BaseTransform):
-    r"""Creates the k-nearest-neighbour graph of ``data.pos``
-, like
+    r"""Creates the k-nearest-neighbour graph of ``data.pos``, like
     :class:`torch_geometric.transforms.KNNGraph` but canonical: every point
     receives exactly :obj:`k` edges, nearest first, ties broken by the smaller
     index, distances in float64 (:func:`~qsv_pyg.transforms.functional.knn_graph`).
@@ -117,8 +116,7 @@ class KNNGraph(BaseTransform):
 
 
 class LocalFrames(BaseTransform):
-    r"""Computes every point's local frame and its quaternion
- with
+    r"""Computes every point's local frame and its quaternion with
     :func:`~qsv_pyg.geometry.oriented_frames` (float64) on ``data.edge_index``
     (run :class:`KNNGraph` first).
 
@@ -159,9 +157,8 @@ class LocalFrames(BaseTransform):
 
 
 class InvariantFeatures(BaseTransform):
-    r"""Writes rotation- and translation-invariant node and edge features
- from ``data.pos``,
-    ``data.edge_index`` and the frames of :class:`LocalFrames`:
+    r"""Writes rotation- and translation-invariant node and edge features from
+    ``data.pos``, ``data.edge_index`` and the frames of :class:`LocalFrames`:
 
     * ``data.x [N, 8]``: :func:`~qsv_pyg.transforms.functional.invariant_node_features`
       (distance to the centroid, the centroid ray in the point's frame, the

@@ -90,8 +90,8 @@ class QSVGeometric(torch.nn.Module):
             quaternion). (default: :obj:`4`)
         num_layers (int, optional): Layers without hierarchy (default: 3); with
             one, the number of levels (it must match if given).
-        k (int, optional): Neighbours of the frames' neighbourhoods and of the
-            layers' kNN graph. (default: :obj:`20`)
+        k (int, optional): Neighbours of the frames' neighbourhoods and (without
+            hierarchy) of the layers' kNN graph. (default: :obj:`20`)
         hierarchy (bool or sequence, optional): :obj:`None`/:obj:`False`: every
             layer on the full cloud. :obj:`True`: :data:`DEFAULT_HIERARCHY`. A
             sequence of ``(fraction, k_level)``: layer :math:`s` runs from level
