@@ -570,3 +570,18 @@ def test_a_bfloat16_layer_runs_on_both_paths(edge):
     mp = conv(x, ei, ea)
     assert fast.dtype == mp.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), mp.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_qsv_model_trims_the_edge_features_with_the_layers():
+    """With num_sampled_nodes_per_hop (NeighborLoader batches) the edge features
+    are trimmed with the edges, as in BasicGNN: the seeds' output is unchanged."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 8, generator=gen(52))
+    ei = torch.tensor([[3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5]])  # hops: 0-2, 3-5, 6-8
+    ea = torch.randn(6, 2, generator=gen(53))
+    model = QSV(8, 8, 2, edge_dim=2, edge_message=True).eval()
+    full = model(x, ei, edge_attr=ea)
+    trimmed = model(x, ei, edge_attr=ea, num_sampled_nodes_per_hop=[3, 3, 3],
+                    num_sampled_edges_per_hop=[3, 3])
+    assert trimmed.size(0) == 6
+    torch.testing.assert_close(trimmed[:3], full[:3])
