@@ -1,6 +1,14 @@
 """Node geometry of the quaternion graph models: Fibonacci shells, flat
 lattices, equal-area sphere/square maps and deterministic kNN graphs."""
-from qsv_pyg.geometry.frames import frame_quaternions, local_frames, matrix_to_quaternion
+from qsv_pyg.geometry.frames import (
+    FRAME_RULES,
+    OrientedFrames,
+    check_finite_positions,
+    frame_quaternions,
+    local_frames,
+    matrix_to_quaternion,
+    oriented_frames,
+)
 from qsv_pyg.geometry import lambert
 from qsv_pyg.geometry.hierarchy import Hierarchy
 from qsv_pyg.geometry.knn import dense_neighbors, knn_cross, knn_within
@@ -36,4 +44,8 @@ __all__ = [
     "matrix_to_quaternion",
     "local_frames",
     "frame_quaternions",
+    "oriented_frames",
+    "OrientedFrames",
+    "FRAME_RULES",
+    "check_finite_positions",
 ]
