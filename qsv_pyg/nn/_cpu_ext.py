@@ -201,7 +201,7 @@ def _build(stop: Optional[Callable[[], bool]]) -> ModuleType:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
         fresh = not os.path.exists(library)
-        if fresh:
+        if fresh and mismatch is None:
             _say(f"qsv_pyg: compiling the C++ CPU kernel (first use, about a minute; cached "
                  f"in {directory})...")
         t0 = time.monotonic()
