@@ -217,8 +217,14 @@ def installed(linux: Optional[bool] = None) -> Tuple[Dict[str, str], bool]:
             continue
     cuda = False
     if "torch" in present:
-        import torch
-
+        try:
+            import torch
+        except Exception as exc:  # a broken torch is not replaced either
+            first = (str(exc).splitlines() or [""])[0]
+            raise PlanError(f"torch {present['torch']} is installed but does not import "
+                            f"({type(exc).__name__}: {first}); .ci/install never replaces an "
+                            "installed torch: repair it, or use a fresh virtual environment"
+                            ) from None
         cuda = bool(torch.version.cuda or getattr(torch.version, "hip", None))
         for name in EXTRAS:  # compiled against some torch: present only if it imports
             if name in present:
@@ -313,9 +319,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error("--pretend needs --plan")
         present = dict(item.split("=", 1) for item in args.pretend)
         cuda = args.pretend_cuda
-    else:
-        present, cuda = installed()
     try:
+        if args.pretend is None:
+            present, cuda = installed()
         p = plan(present, cuda, pins, os.environ.get(EXTRAS_ENV))
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
