@@ -194,13 +194,8 @@ def test_update_pins_dry_run_tests_before_it_rewrites_and_keeps_torch(tmp_path):
 
 
 def _cached_build() -> Path:
-    """This checkout's built kernel in the default cache (``.ci/install`` builds it)."""
-    env_root = os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-    try:
-        folder = Path(cpu_ext.build_directory())
-    finally:
-        if env_root is not None:
-            os.environ["TORCH_EXTENSIONS_DIR"] = env_root
+    """This checkout's built kernel in its cache (``.ci/install`` builds it)."""
+    folder = Path(cpu_ext.build_directory())
     library = folder / (folder.name + getattr(cpp_extension, "LIB_EXT", ".so"))
     if not (library.is_file() and any(folder.glob("*.o")) and (folder / "build.ninja").is_file()):
         pytest.skip(f"the C++ kernel of this checkout is not built in {folder} (bash "
