@@ -110,7 +110,8 @@ class Plan:
 
 
 def plan(present: Mapping[str, str], cuda: bool, pins: Mapping[str, str],
-         extras_env: Optional[str] = None, linux: Optional[bool] = None) -> Plan:
+         extras_env: Optional[str] = None, linux: Optional[bool] = None,
+         broken: Sequence[str] = ()) -> Plan:
     """Decide what to install.
 
     Args:
@@ -119,6 +120,8 @@ def plan(present: Mapping[str, str], cuda: bool, pins: Mapping[str, str],
         cuda: whether the installed torch is a CUDA (or ROCm) build.
         pins: the constraints file's versions.
         extras_env: the value of ``$QSV_PYG_EXTRAS`` (``"0"``, ``"1"``, unset/empty: auto).
+        broken: extras that are installed but do not import (built for another torch):
+            compiled again, bypassing pip's wheel cache.
 
     Raises:
         PlanError: an installed torch older than the supported one, or a bad
@@ -197,8 +200,13 @@ def plan(present: Mapping[str, str], cuda: bool, pins: Mapping[str, str],
                          "graphs use qsv_pyg's torch fallback and the tests that need them skip")
     elif absent:
         for name in absent:
-            install(name, "compiled from source against the installed torch, several minutes")
-            out.steps.append(["--no-build-isolation", f"{name}=={pins[name]}"])
+            again = name in broken
+            install(name, ("installed but does not import (built for another torch): " if again
+                           else "") + "compiled from source against the installed torch, "
+                    "several minutes")
+            out.steps.append(["--no-build-isolation",
+                              *(["--force-reinstall", "--no-deps", "--no-cache-dir"] if again
+                                else []), f"{name}=={pins[name]}"])
     if not out.steps:
         out.notes.append("nothing to install: pip is not run (no network call)")
     return out
@@ -207,8 +215,9 @@ def plan(present: Mapping[str, str], cuda: bool, pins: Mapping[str, str],
 # ============================================================================ this machine
 
 
-def installed(linux: Optional[bool] = None) -> Tuple[Dict[str, str], bool]:
-    """What this interpreter has: ``({canonical name: version}, torch is a CUDA build)``."""
+def installed(linux: Optional[bool] = None) -> Tuple[Dict[str, str], bool, List[str]]:
+    """What this interpreter has: ``({canonical name: version}, torch is a CUDA build,
+    extras that are installed but do not import)``."""
     present: Dict[str, str] = {}
     for name in direct(linux):
         try:
@@ -216,6 +225,7 @@ def installed(linux: Optional[bool] = None) -> Tuple[Dict[str, str], bool]:
         except importlib.metadata.PackageNotFoundError:
             continue
     cuda = False
+    broken: List[str] = []
     if "torch" in present:
         try:
             import torch
@@ -232,7 +242,8 @@ def installed(linux: Optional[bool] = None) -> Tuple[Dict[str, str], bool]:
                     __import__(name.replace("-", "_"))
                 except (ImportError, OSError):
                     del present[name]
-    return present, cuda
+                    broken.append(name)
+    return present, cuda, broken
 
 
 def run_plan(p: Plan, python: str = sys.executable) -> None:
@@ -318,11 +329,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.plan:
             ap.error("--pretend needs --plan")
         present = dict(item.split("=", 1) for item in args.pretend)
-        cuda = args.pretend_cuda
+        cuda, broken = args.pretend_cuda, []
     try:
         if args.pretend is None:
-            present, cuda = installed()
-        p = plan(present, cuda, pins, os.environ.get(EXTRAS_ENV))
+            present, cuda, broken = installed()
+        p = plan(present, cuda, pins, os.environ.get(EXTRAS_ENV), broken=broken)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -153,6 +153,14 @@ def test_extras_switch():
         deps.plan(cpu, cuda=False, pins=PINS, extras_env="yes", linux=True)
 
 
+def test_an_extra_built_for_another_torch_is_compiled_again_past_the_wheel_cache():
+    p = deps.plan({"torch": "2.13.0+cpu", "torch-cluster": "1.6.3"}, cuda=False, pins=PINS,
+                  linux=True, broken=["torch-scatter"])
+    assert p.steps[-1] == ["--no-build-isolation", "--force-reinstall", "--no-deps",
+                           "--no-cache-dir", f"torch-scatter=={PINS['torch-scatter']}"]
+    assert "does not import" in "\n".join(p.notes)
+
+
 def test_an_unsupported_torch_exits_2_with_one_line_and_nothing_planned():
     with pytest.raises(deps.PlanError, match="torch 2.10.0 is installed"):
         deps.plan({"torch": "2.10.0"}, cuda=False, pins=PINS, linux=True)
