@@ -18,10 +18,21 @@ CUDA = torch.device("cuda", 0)
 
 
 @pytest.fixture(autouse=True)
-def tf32_flags(monkeypatch):
-    """torch's defaults (matmul off, cuDNN on), restored after each test."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+def tf32_flags():
+    """Each test starts from torch's defaults (matmul off, cuDNN on); the values found
+    before it are set back afterwards.
+
+    Saved and restored by hand, not with ``monkeypatch``: ``torch.backends.cuda.matmul``
+    serves ``allow_tf32`` through ``__getattr__`` (the value lives in torch's C++ state,
+    not on the object), so pytest 9's ``monkeypatch`` finds no old value and undoes the
+    patch with ``delattr``, which fails at teardown."""
+    saved = _flags()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _flags():

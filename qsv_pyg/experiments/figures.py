@@ -136,9 +136,12 @@ def plot_beta_probe(summary: Dict[str, Any], path: "str | Path") -> None:
             lo = [min(per_epoch[t]) for t in epochs]
             hi = [max(per_epoch[t]) for t in epochs]
             color = row_colors[entry["slug"]]
-            ax.plot(epochs, mean, color=color, lw=1.5, marker="o" if len(epochs) < 3 else None,
+            # As floats: an integer beyond int64 would make numpy's array an object
+            # array, which fill_between cannot mask (a TypeError, issue 28 item 14).
+            x = [float(t) for t in epochs]
+            ax.plot(x, mean, color=color, lw=1.5, marker="o" if len(x) < 3 else None,
                     ms=3, label=entry["label"])
-            ax.fill_between(epochs, lo, hi, color=color, alpha=0.18, lw=0)
+            ax.fill_between(x, lo, hi, color=color, alpha=0.18, lw=0)
         ax.set_title(f"{group} (all rounds)" if group == "within" else group, fontsize=10)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -225,9 +225,12 @@ def _finite(v: Any) -> bool:
     return is_number(v) and math.isfinite(v)
 
 
-def _betas(folder: Path, notes: List[str]) -> List[Tuple[int, Dict[str, Any]]]:
-    """β per epoch from log.jsonl; records with a malformed epoch or β are skipped."""
-    out, skipped = [], 0
+def _betas(folder: Path, notes: List[str],
+           planned: Optional[int] = None) -> List[Tuple[int, Dict[str, Any]]]:
+    """β per epoch from log.jsonl; records with a malformed epoch or β are skipped, and
+    so are epochs beyond the ``planned`` ones (``config.json``'s ``epochs``): a
+    hand-edited ``"epoch": 1e30``-sized integer never reaches the figure."""
+    out, skipped, beyond = [], 0, []
     for rec in read_log(folder / LOG_NAME):
         if "epoch" not in rec:
             continue
@@ -235,13 +238,19 @@ def _betas(folder: Path, notes: List[str]) -> List[Tuple[int, Dict[str, Any]]]:
         good = (_count(epoch) and isinstance(betas, dict) and all(
             _finite(v) or (isinstance(v, list) and all(_finite(x) for x in v))
             for v in betas.values()))
-        if good:
-            out.append((epoch, betas))
-        else:
+        if not good:
             skipped += 1
+        elif planned is not None and epoch > planned:
+            beyond.append(epoch)
+        else:
+            out.append((epoch, betas))
     if skipped:
         notes.append(f"{LOG_NAME}: {skipped} record(s) with a malformed epoch or β skipped "
                      "in the β probe")
+    if beyond:
+        more = f" (and {len(beyond) - 1} more record(s))" if len(beyond) > 1 else ""
+        notes.append(f"{LOG_NAME}: epoch is {_show(beyond[0])}{more}, beyond the run's "
+                     f"{planned} planned epochs ({CONFIG_NAME}: epochs); left out of the β probe")
     return out
 
 
@@ -308,7 +317,9 @@ def _run_info(root: Path, table: Table, row: Row, seed: int) -> Dict[str, Any]:
         info["settings"]["budget_clock"] = config.get("budget_clock", "wall")
         info["settings"]["threads"] = config.get("threads")
         info["model_args"] = config.get("model_args", {})
-        info["betas"] = _betas(folder, notes)
+        planned = next((v for v in (config.get("epochs"), metrics.get("epochs_planned"))
+                        if _count(v) and v >= 1), None)
+        info["betas"] = _betas(folder, notes, planned)
     if notes:
         info["notes"] = notes
     return info

@@ -50,7 +50,9 @@ from qsv_pyg.training.checkpoint import CheckpointError, load_checkpoint
 from qsv_pyg.training.config import ConfigError, TrainConfig, resume_overridable, to_argv
 from qsv_pyg.training.config import upgrade_keys
 from qsv_pyg.training.run_files import CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, write_json
+from qsv_pyg.training.run_files import LOCK_NAME, RunFolderError
 from qsv_pyg.training.run_files import read_json as _read_json
+from qsv_pyg.training.run_lock import RunLock, live_holder
 
 from .launch import LAUNCHERS, OUTPUT_NAME, launch_training, tail
 from .side_by_side import run_side_by_side
@@ -370,12 +372,34 @@ def _record_launch(spec: RunSpec, action: str, argv: Sequence[str], launcher: st
     write_json(path, record)
 
 
+def _in_use(out_dir: Path, holder: str) -> ExperimentError:
+    return ExperimentError(f"--overwrite would delete {out_dir}, but a live run holds it "
+                           f"({holder}, lock file {out_dir / LOCK_NAME}); nothing was "
+                           "deleted: wait for that run to finish or stop it")
+
+
+def _remove_run_folder(out_dir: Path) -> None:
+    """Delete a run folder for ``--overwrite``, holding its run lock meanwhile, so a
+    run that holds it (started since the plan was checked) keeps its folder."""
+    try:
+        lock = RunLock(out_dir).acquire()
+    except RunFolderError as exc:
+        holder = live_holder(out_dir)
+        if holder is None:  # not busy: the lock file cannot be written
+            raise ExperimentError(f"--overwrite cannot delete {out_dir}: {exc}") from None
+        raise _in_use(out_dir, holder) from None
+    try:
+        shutil.rmtree(out_dir)
+    finally:
+        lock.release()
+
+
 def _execute(spec: RunSpec, action: str, settings: RunSettings, launcher: str) -> RunResult:
     metrics_path = spec.out_dir / METRICS_NAME
     if action == "reuse":
         return RunResult(spec, "reused", _read_json(metrics_path))
     if action == "retrain":
-        shutil.rmtree(spec.out_dir)
+        _remove_run_folder(spec.out_dir)
     if action == "resume":
         try:
             used = _used_minutes(spec.out_dir / CHECKPOINT_NAME)
@@ -455,6 +479,12 @@ def run_table(table: Table, seeds: Optional[Sequence[int]], root: "str | os.Path
         raise ExperimentError(
             "existing run folder(s) hold a different configuration:\n" + "\n".join(conflicts)
             + "\nuse another --out-root, or --overwrite to delete and retrain them")
+    # --overwrite never deletes the folder of a live run (issue 28, item 8): checked for
+    # every folder before anything starts, and again under the lock when it is deleted.
+    for spec, action in plan:
+        holder = live_holder(spec.out_dir) if action == "retrain" else None
+        if holder is not None:
+            raise _in_use(spec.out_dir, holder)
 
     with tqdm(total=len(plan), desc=table.name, unit="run", disable=not progress,
               dynamic_ncols=True, file=sys.stderr) as bar:

@@ -26,11 +26,22 @@ The build never waits without a limit (issue 23):
 * A failed build warns with the cause: the first error lines and the last
   lines of the compiler's output (the whole output goes to
   ``build_error.log`` in the build folder).
+
+A cached library is loaded only if it is the one its build wrote (issue 28,
+item 6): after every successful build or load the library's size and SHA-256
+are recorded in ``library_record.json`` next to it (written atomically), and
+they are checked before :func:`torch.utils.cpp_extension.load` maps the file.
+A truncated library would otherwise kill the process with SIGBUS, every time
+(ninja sees it as up to date). A library that differs from its record, or has
+none, is removed and linked again; if that build fails, the object files are
+removed too (the next attempt compiles from scratch) and this process warns
+once and uses the PyTorch implementation.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -62,6 +73,7 @@ DEFAULT_TIMEOUT_S = 300.0
 OWN_LOCK = "qsv_pyg.lock"  # flock-ed while a process builds or loads; never stale
 TORCH_LOCK = "lock"  # torch's FileBaton: stale when its creator was killed
 ERROR_LOG = "build_error.log"
+RECORD = "library_record.json"  # size and SHA-256 of the library the last build wrote
 _POLL_S = 0.1
 _SAY_WAITING_AFTER_S = 2.0
 _REASON_TAIL_LINES = 10  # last lines of a failed build's output kept in the warning
@@ -180,8 +192,16 @@ def _build(stop: Optional[Callable[[], bool]]) -> ModuleType:
         if exclusive:
             _clear_stale_baton(directory)
         library = os.path.join(directory, name + getattr(cpp_extension, "LIB_EXT", ".so"))
+        record = os.path.join(directory, RECORD)
+        mismatch = _check_record(library, record) if os.path.exists(library) else None
+        if mismatch is not None:
+            _say(f"qsv_pyg: the cached C++ CPU kernel {library} is not the library its build "
+                 f"wrote ({mismatch}); linking it again")
+            for path in (library, record):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         fresh = not os.path.exists(library)
-        if fresh:
+        if fresh and mismatch is None:
             _say(f"qsv_pyg: compiling the C++ CPU kernel (first use, about a minute; cached "
                  f"in {directory})...")
         t0 = time.monotonic()
@@ -191,12 +211,79 @@ def _build(stop: Optional[Callable[[], bool]]) -> ModuleType:
                                         verbose=False)
         except Exception as exc:
             _write_error_log(directory, exc)
+            if mismatch is not None:  # damaged objects too, perhaps: compile afresh next time
+                _remove_objects(directory)
             raise
+        _write_record(library, record)
         if fresh:
             _say(f"qsv_pyg: ... C++ CPU kernel built in {time.monotonic() - t0:.0f} s")
         with contextlib.suppress(OSError):
             os.remove(os.path.join(directory, ERROR_LOG))
     return module
+
+
+def _digest(path: str) -> dict:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _check_record(library: str, record: str) -> Optional[str]:
+    """None when ``library`` has the size and SHA-256 in ``record``; else what differs.
+
+    Read before the library is mapped: a truncated shared object passes the
+    loader's first checks and then kills the process with SIGBUS."""
+    try:
+        with open(record) as f:
+            want = json.load(f)
+        want_size, want_sha = int(want["size"]), str(want["sha256"])
+    except FileNotFoundError:
+        return f"it has no {RECORD}: built before the record existed, or the build was cut short"
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return f"its {RECORD} is unreadable: {exc}"
+    try:
+        have = _digest(library)
+    except OSError as exc:
+        return f"it cannot be read: {exc}"
+    if have["size"] != want_size:
+        return f"{have['size']} bytes, the build wrote {want_size}"
+    if have["sha256"] != want_sha:
+        return "its SHA-256 differs from the build's"
+    return None
+
+
+def _write_record(library: str, record: str) -> None:
+    """Record the loaded library's size and SHA-256 (atomically; unchanged records are
+    not rewritten). Where it cannot be written, the next process links again."""
+    tmp = f"{record}.{os.getpid()}.tmp"
+    try:
+        have = _digest(library)
+        with contextlib.suppress(OSError, ValueError):
+            with open(record) as f:
+                if json.load(f) == have:
+                    return
+        with open(tmp, "w") as f:
+            json.dump(have, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, record)
+    except OSError as exc:
+        _say(f"qsv_pyg: could not record the C++ CPU kernel's checksum in {record} ({exc})")
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _remove_objects(directory: str) -> None:
+    """Remove the build's object files, so the next build compiles every source again."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.endswith((".o", ".obj")):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(directory, entry))
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ try:
 except ImportError:  # not POSIX: the lock falls back to the pid in the lock file
     fcntl = None
 
-__all__ = ["RunLock", "lock_out_dir"]
+__all__ = ["RunLock", "live_holder", "lock_out_dir"]
 
 
 class RunLock:
@@ -137,6 +137,38 @@ class RunLock:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()  # stale: its process is gone
         raise self._busy(self._holder())
+
+
+def live_holder(folder: PathLike) -> Optional[str]:
+    """Who holds ``folder``'s run lock: ``"pid N"`` (``"pid unknown"`` when the file
+    names none) while a live process holds it, else None (no lock file, or one left
+    by a dead run). Changes nothing: the lock is tested, not taken.
+
+    Example::
+
+        if live_holder(out_dir) is None:
+            shutil.rmtree(out_dir)  # no live run writes into it (still: take RunLock to be sure)
+    """
+    lock = RunLock(folder)
+    if fcntl is None:
+        holder = lock._holder()
+        alive = holder != "pid unknown" and _pid_alive(int(holder.split()[1]))
+        return holder if alive else None
+    try:
+        fd = os.open(lock.path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:  # unreadable: whoever made it so may be alive; say who it names
+        return lock._holder()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock._holder()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
