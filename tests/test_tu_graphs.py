@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"  # compare.DEFAULT_DATA_ROOT
+#: $QSV_PYG_DATA (as tests/test_citation.py), else compare.DEFAULT_DATA_ROOT.
+DATA_ROOT = Path(os.environ.get("QSV_PYG_DATA")
+                 or Path(__file__).resolve().parents[2] / "shared" / "data")
 TU = DATA_ROOT / "TUDataset"
 
 pytestmark = [

@@ -47,6 +47,7 @@ class _PlanetoidUnpickler(pickle.Unpickler):
         ("numpy", "dtype"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),  # bytes pickled with protocol 2 by Python 3
     }
 
     def find_class(self, module: str, name: str) -> Any:
