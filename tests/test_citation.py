@@ -245,21 +245,20 @@ def test_a_crafted_raw_file_exits_2_and_runs_nothing(citation, tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
-def test_unusable_folders_and_threads_exit_2(citation, tmp_path, capsys):
+@pytest.mark.parametrize("out, cache, extra, needles", [
+    ("file/out", "c", [], ("--out-root", "file")),         # --out-root under a file
+    ("out", "file", [], ("--cache-root", "is a file")),   # --cache-root a file
+    ("out", "c", ["--threads", "0"], ("--threads",)),
+])
+def test_unusable_folders_and_threads_exit_2(citation, tmp_path, capsys, out, cache, extra,
+                                             needles):
     root = cora_or_skip()
     (tmp_path / "file").write_text("not a folder")
-    base = ["--data-root", str(root), "--models", "GATConv", "--seeds", "1",
-            "--epochs", "1", "--no-progress"]
-    err = _one_line_exit_2(capsys, citation.main, base + [
-        "--out-root", str(tmp_path / "file" / "out"), "--cache-root", str(tmp_path / "c")])
-    assert "--out-root" in err and str(tmp_path / "file") in err
-    err = _one_line_exit_2(capsys, citation.main, base + [
-        "--out-root", str(tmp_path / "out"), "--cache-root", str(tmp_path / "file")])
-    assert "--cache-root" in err and "is a file" in err
-    err = _one_line_exit_2(capsys, citation.main, base + [
-        "--out-root", str(tmp_path / "out"), "--cache-root", str(tmp_path / "c"),
-        "--threads", "0"])
-    assert "--threads" in err
+    err = _one_line_exit_2(capsys, citation.main, [
+        "--data-root", str(root), "--models", "GATConv", "--seeds", "1", "--epochs", "1",
+        "--no-progress", "--out-root", str(tmp_path / out),
+        "--cache-root", str(tmp_path / cache), *extra])
+    assert all(needle in err for needle in needles), err
     assert not (tmp_path / "out").exists()
 
 

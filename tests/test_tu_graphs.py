@@ -389,18 +389,19 @@ def test_a_unit_of_a_live_run_is_not_trained_twice(tu, tmp_path, cache, capsys):
             == before
 
 
-def test_unusable_out_root_and_cache_root_exit_2(tu, tmp_path, cache, capsys):
+@pytest.mark.parametrize("out, cache_root, report_only, needles", [
+    ("file/out", None, False, ("--out-root", "file")),     # --out-root under a file
+    ("out", "file", False, ("--cache-root", "is a file")),  # --cache-root a file
+    ("file", None, True, ("--out-root", "is a file")),
+])
+def test_unusable_out_root_and_cache_root_exit_2(tu, tmp_path, cache, capsys, out,
+                                                 cache_root, report_only, needles):
     (tmp_path / "file").write_text("not a folder")
-    base = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "1", "--models", "MLP",
-            "--no-progress"]
-    err = _exit_2(tu, capsys, base + ["--out-root", str(tmp_path / "file" / "out"),
-                                      "--cache-root", str(cache)])
-    assert "--out-root" in err and str(tmp_path / "file") in err
-    err = _exit_2(tu, capsys, base + ["--out-root", str(tmp_path / "out"),
-                                      "--cache-root", str(tmp_path / "file")])
-    assert "--cache-root" in err and "is a file" in err
-    err = _exit_2(tu, capsys, ["--report-only", "--out-root", str(tmp_path / "file")])
-    assert "--out-root" in err
+    argv = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "1", "--models", "MLP",
+            "--no-progress", "--out-root", str(tmp_path / out),
+            "--cache-root", str(tmp_path / cache_root if cache_root else cache)]
+    err = _exit_2(tu, capsys, argv + (["--report-only"] if report_only else []))
+    assert all(needle in err for needle in needles), err
 
 
 def test_report_only_names_damaged_units_and_leaves_them_out(tu, mutag, tmp_path, capsys):
