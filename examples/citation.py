@@ -42,8 +42,15 @@ the table (``<out-root>/<dataset>/table.{md,csv,json}``) from the folders
 alone. The table covers every finished unit under ``<out-root>/<dataset>``.
 
 Data: ``<data-root>/Planetoid/<Name>/raw/ind.<name>.*`` (the files PyG
-downloads), copied once into ``--cache-root`` where ``Planetoid`` writes its
-``processed/`` folder (the data root may be read-only). Run::
+downloads), copied into ``--cache-root`` where ``Planetoid`` writes its
+``processed/`` folder (the data root may be read-only). The copy is keyed on the
+raw files' content (``<cache-root>/<Name>-<digest>/``), so another data root
+never reuses it. The raw pickles are read first with a restricted unpickler
+(``qsv_pyg.data.planetoid``: numpy arrays, scipy csr matrices, a dict of lists):
+a crafted or corrupt file exits 2 with one line, and nothing in it runs. A unit
+being trained by another process (its folder's ``run.lock``) exits 2 naming
+that process; a damaged ``metrics.json`` is named and left out of the table.
+Run::
 
     python examples/citation.py                       # Cora, 6 rows x 10 seeds
     python examples/citation.py --diagnose            # plus the diagnosis rows

@@ -104,10 +104,14 @@ one session beside the Cora and TU tables, so it got 5.
 
 Every unit trains in its own run folder
 ``<out-root>/<dataset>/<row>/<aligned|so3>/seed<k>/`` (``config.json``, one
-``log.jsonl`` line per epoch, ``metrics.json``); a rerun reuses finished units,
+``log.jsonl`` line per epoch, ``metrics.json``); a rerun reuses finished units.
+``--jobs N`` stops at the first failed unit (the queued ones are cancelled); a
+unit that another process is training (its ``run.lock``) exits 2 naming it.
 ``--report-only`` rebuilds ``<out-root>/table.{md,csv,json}``,
 ``<out-root>/accuracy.png`` and ``<out-root>/published_modelnet40.md`` from the
-folders. Run::
+folders (a damaged ``metrics.json`` is named and left out). A shape with
+repeated points gets its kNN graph from ``qsv_pyg.geometry.knn_within``
+(:func:`knn_table`). Run::
 
     python examples/modelnet.py --jobs 2             # the full table (~1.0 h on 2 cores)
     python examples/modelnet.py --small --out-root /tmp/mn   # a smoke test

@@ -30,8 +30,9 @@ of ``n_c / K`` graphs of every class ``c``; the validation part takes
 ``<out-root>/<DATASET>/splits.json`` (train/val/test indices per fold), which a
 rerun reuses (a file that does not fit the data or ``--folds`` is an error).
 
-Data and features (``<data-root>/TUDataset/<NAME>/raw/``, copied once into
-``--cache-root`` where ``TUDataset`` writes ``processed/``; the data root is
+Data and features (``<data-root>/TUDataset/<NAME>/raw/``, copied into
+``--cache-root`` where ``TUDataset`` writes ``processed/``, keyed on the raw
+files' content so another data root never reuses the copy; the data root is
 read-only). Node features are the one-hot node labels (TUDataset's default),
 as Errica et al. use for the chemical sets; **ENZYMES** also gets its 18
 continuous node attributes (``use_node_attr=True``: 21 features), as Errica et
@@ -112,7 +113,10 @@ accuracy, the parameters, the time per epoch, the CPU and the versions; see
 fold before the next fold, so an interrupted table holds whole folds (paired
 across rows); a rerun of the same command reuses the finished units and
 restarts the unfinished ones; ``--jobs N`` trains N units at a time in worker
-processes. The tables (rebuilt from the folders, also by ``--report-only``):
+processes (a failed unit cancels the queued ones). A unit that another process
+is training (its folder's ``run.lock``) exits 2 naming that process; a damaged
+``metrics.json`` is named and left out of the tables. ``--folds`` may not exceed
+the graphs of the smallest class (a test fold would lack it). The tables (rebuilt from the folders, also by ``--report-only``):
 ``<out-root>/table.{md,csv,json}`` (test accuracy per model and dataset, with
 the published numbers beside ours), ``<out-root>/costs.*`` (parameters and
 CPU ms per epoch) and ``<out-root>/<DATASET>/table.*`` (per dataset). Run::
