@@ -207,13 +207,18 @@ class QSVConv(MessagePassing):
             comparisons). ``"always"`` is a deprecated synonym of ``"auto"``,
             still accepted for old code (it once required a fixed-degree
             graph; every graph has the fast path now). (default: :obj:`"auto"`)
-        check_finite (bool, optional): Raise :class:`ValueError` on non-finite
-            features, quaternions, positions or temperatures :math:`\beta_h`.
-            This costs one reduction and a host sync per input and is skipped
-            under :func:`torch.compile`. Without the check a non-finite input
-            propagates: the affected outputs (and gradients) are NaN, never
-            silently replaced (a NaN quaternion is not read as the identity).
-            (default: :obj:`True`)
+        check_finite (bool or str, optional): Raise :class:`ValueError` on
+            non-finite features, quaternions, positions or temperatures
+            :math:`\beta_h`. This costs one reduction per input and, on a
+            device, a host sync per input (three or more per layer and call);
+            it is skipped under :func:`torch.compile`. ``"auto"`` checks inputs
+            on the CPU (where the read waits for nothing) and skips the check
+            on other devices, so a CUDA forward does not sync; :obj:`True`
+            checks on every device, :obj:`False` on none. Without the check a
+            non-finite input propagates: the affected outputs (and gradients)
+            are NaN, never silently replaced (a NaN quaternion is not read as
+            the identity), and the training loop's loss check reports it.
+            (default: :obj:`"auto"`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -249,7 +254,7 @@ class QSVConv(MessagePassing):
         bias: bool = True,
         quat_source: str = "auto",
         dense_path: str = "auto",
-        check_finite: bool = True,
+        check_finite: Union[bool, str] = "auto",
         **kwargs,
     ):
         kwargs.setdefault("aggr", "add")
@@ -278,6 +283,9 @@ class QSVConv(MessagePassing):
         self.project_input = project_input
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
         self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
+        if not (check_finite is True or check_finite is False or check_finite == "auto"):
+            raise ValueError(f"check_finite must be True, False or 'auto', got "
+                             f"{check_finite!r}")
         self.check_finite = check_finite
 
         if isinstance(in_channels, int):
@@ -494,7 +502,7 @@ class QSVConv(MessagePassing):
                 src_q = new_src
 
         assert src_q is not None
-        if self.check_finite and not is_compiling():
+        if self._checks_finite(src_q):
             _check_finite(src_q, "source quaternions")
             _check_finite(dst_q, "target quaternions")
         unit_src = unit_quaternion(src_q)
@@ -505,6 +513,13 @@ class QSVConv(MessagePassing):
         return unit_src, unit_quaternion(dst_q)
 
     # -------------------------------------------------------- call checks
+    def _checks_finite(self, t: Tensor) -> bool:
+        """Whether this call checks finiteness (``check_finite``; never under
+        :func:`torch.compile`): ``"auto"`` only for inputs on the CPU."""
+        if is_compiling() or self.check_finite is False:
+            return False
+        return self.check_finite is True or t.device.type == "cpu"
+
     def _check_call(self, x_src: Tensor, x_dst: OptTensor, edge_index: Adj) -> None:
         """Shapes, dtypes and (with ``check_finite``) finiteness of a call."""
         if x_src.dim() not in (2, 3):
@@ -519,7 +534,7 @@ class QSVConv(MessagePassing):
             raise ValueError(f"source and target features must have the same number "
                              f"of dimensions; got {tuple(x_src.shape)} and "
                              f"{tuple(x_dst.shape)}")
-        if self.check_finite and not is_compiling():
+        if self._checks_finite(x_src):
             _check_finite(x_src, "node features")
             _check_finite(x_dst if x_dst is not x_src else None, "node features")
             # An overflowing temperature would turn every weight into NaN.
@@ -544,7 +559,7 @@ class QSVConv(MessagePassing):
             if t.size(0) != rows:
                 raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
                                  f"{rows} {side} nodes")
-            if self.check_finite and not is_compiling():
+            if self._checks_finite(t):
                 _check_finite(t, f"{side} positions (pos)")
         return pair
 

@@ -1,0 +1,186 @@
+"""What a GPU run needs, checked on the CPU (issue 32): the graph check of the
+Triton launcher once per graph, ``check_finite="auto"``, the device guard of the
+launches, the warning when Triton is installed but broken."""
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from qsv_pyg.nn import QSVConv
+from qsv_pyg.nn import triton_kernel as tk
+from qsv_pyg.nn.csr import build_csr
+
+
+def _graph(n: int = 6, k: int = 2):
+    src = torch.arange(n).repeat_interleave(k)
+    dst = (src + torch.arange(1, k + 1).repeat(n)) % n
+    return build_csr(torch.stack([src, dst]), n, n)
+
+
+# --------------------------------------------------------------- graph check
+@pytest.fixture
+def asserts(monkeypatch):
+    """Counts the launcher's graph checks (each ends in one ``_assert_async``)."""
+    calls = []
+    original = torch._assert_async
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_assert_async", counted)
+    monkeypatch.setattr(tk, "_CHECKED", {})
+    return calls
+
+
+def test_graph_check_runs_once_per_graph(asserts):
+    g = _graph()
+    for _ in range(3):
+        tk._check_graph(g.rowptr, g.col, 6)
+    assert len(asserts) == 1  # the same tensors, unchanged: checked once
+    tk._check_graph(g.rowptr, g.col, 7)  # another source count: checked again
+    assert len(asserts) == 2
+
+
+def test_graph_check_sees_in_place_writes_and_new_tensors(asserts):
+    g = _graph()
+    tk._check_graph(g.rowptr, g.col, 6)
+    col = g.col
+    col[0] = 6  # out of range, written in place: the version counter moved
+    with pytest.raises(RuntimeError, match="malformed CSR"):
+        tk._check_graph(g.rowptr, col, 6)
+    bad = g.col.clone()  # a new tensor is a new graph
+    with pytest.raises(RuntimeError, match="malformed CSR"):
+        tk._check_graph(g.rowptr, bad, 6)
+
+
+def test_checked_graphs_are_forgotten_with_their_tensors(asserts):
+    g = _graph()
+    tk._check_graph(g.rowptr, g.col, 6)
+    assert len(tk._CHECKED) == 1
+    del g
+    assert len(tk._CHECKED) == 0  # no address of a freed tensor is trusted later
+
+
+def test_inference_tensors_are_checked_every_time(asserts):
+    with torch.inference_mode():
+        g = _graph()
+        tk._check_graph(g.rowptr, g.col, 6)
+        tk._check_graph(g.rowptr, g.col, 6)
+    assert len(asserts) == 2
+
+
+def test_interpreted_forward_checks_a_graph_once(asserts, monkeypatch):
+    """Two forwards over one graph on the Triton path (interpreter): one check."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("QSV_PYG_TRITON", "interpret")
+    g = _graph(4, 1)
+    v = torch.randn(4, 1, 1, 4)
+    q = torch.nn.functional.normalize(torch.randn(4, 1, 4), dim=-1)
+    for _ in range(2):
+        tk.forward(v, q, q, q, q, torch.ones(1), v.new_empty(0), g.rowptr, g.col, False,
+                   True)
+    assert len(asserts) == 1
+
+
+# --------------------------------------------------------------- check_finite
+def test_check_finite_defaults_to_auto_and_checks_on_the_cpu():
+    conv = QSVConv(8, 4, heads=2)
+    assert conv.check_finite == "auto"
+    x = torch.randn(5, 8)
+    x[1, 2] = float("nan")
+    ei = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="non-finite node features"):
+        conv(x, ei)
+
+
+def test_check_finite_auto_skips_devices():
+    """``"auto"``: no per-forward check (a host sync each) off the CPU."""
+    on_device = torch.empty(2, device="meta")
+    on_host = torch.empty(2)
+    auto, always, never = (QSVConv(8, 4, heads=2, check_finite=c)
+                           for c in ("auto", True, False))
+    assert auto._checks_finite(on_host) and not auto._checks_finite(on_device)
+    assert always._checks_finite(on_device) and always._checks_finite(on_host)
+    assert not never._checks_finite(on_host)
+
+
+@pytest.mark.parametrize("bad", ["yes", None, 1])
+def test_check_finite_refuses_other_values(bad):
+    with pytest.raises(ValueError, match="check_finite must be True, False or 'auto'"):
+        QSVConv(8, 4, heads=2, check_finite=bad)
+
+
+# --------------------------------------------------------------- device guard
+class _OnCuda1:
+    device = torch.device("cuda", 1)
+
+
+def test_launches_run_on_the_tensors_device(monkeypatch):
+    entered = []
+
+    class FakeDeviceContext:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.device))
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDeviceContext)
+
+    @tk._on_device
+    def launch(t, x):
+        entered.append(("launch", x))
+        return x + 1
+
+    assert launch(_OnCuda1(), 1) == 2
+    cuda1 = torch.device("cuda", 1)
+    assert entered == [("enter", cuda1), ("launch", 1), ("exit", cuda1)]
+    entered.clear()
+    assert launch(torch.zeros(1), 2) == 3 and entered == [("launch", 2)]  # CPU: no guard
+    assert tk.forward.__wrapped__ is not None and tk.backward.__wrapped__ is not None
+
+
+# --------------------------------------------------------------- importable()
+@pytest.fixture
+def fresh_importable(monkeypatch):
+    monkeypatch.setattr(tk, "_IMPORTABLE", {})  # (triton's own modules stay imported:
+    return monkeypatch                           # importing its C library twice aborts)
+
+
+def test_broken_triton_warns_once(fresh_importable):
+    pytest.importorskip("triton")
+    fresh_importable.setitem(sys.modules, "triton.language", None)  # import fails
+    with pytest.warns(RuntimeWarning, match="Triton is installed but does not import"):
+        assert tk.importable() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tk.importable() is False  # remembered: no second warning
+
+
+def test_absent_triton_is_silent(fresh_importable):
+    fresh_importable.setitem(sys.modules, "triton", None)  # as if not installed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tk.importable() is False
+
+
+def test_triton_interpreter_shim_is_a_no_op_or_squeezes():
+    """conftest's shim for Triton 3.6 on NumPy >= 2.4: after it, a one-element
+    array converts to a loop bound the way the interpreter does it."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime import interpreter
+
+    scope = types.SimpleNamespace(attrs={})
+    scope.set_attr = lambda obj, name, value: scope.attrs.__setitem__(name, value)
+    interpreter._patch_lang_tensor(triton.language.tensor, scope)
+    import numpy as np
+    fake = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7])))
+    assert scope.attrs["__index__"](fake) == 7
