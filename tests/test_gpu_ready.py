@@ -184,3 +184,76 @@ def test_triton_interpreter_shim_is_a_no_op_or_squeezes():
     import numpy as np
     fake = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7])))
     assert scope.attrs["__index__"](fake) == 7
+
+
+# --------------------------------------------------------------- static CSRs
+def _small_graph_net(**kw):
+    from qsv_pyg.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("qsv", **{**dict(shell_sizes=[16, 9, 4], k_cross=4, k_inner=3,
+                                        heads=2, widths=[16, 16, 16]), **kw})
+
+
+def _sorts_in_compiled_forward(model, images) -> int:
+    """Sorts (the CSR builds) in the graphs dynamo captures of ``model(images)``."""
+    torch._dynamo.reset()
+    found = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "__name__", str(node.target))
+            if node.op in ("call_function", "call_method") and name in ("argsort", "sort"):
+                found.append(name)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(images)
+    torch._dynamo.reset()
+    return len(found)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_graph_net_reads_its_static_csrs():
+    """GraphNet's graphs are static: their CSRs are buffers, and a compiled
+    forward reads them instead of sorting every graph on every call."""
+    from qsv_pyg.nn import csr
+
+    model = _small_graph_net().eval()
+    images = torch.randn(2, 3, 32, 32)
+    for name in model.graph_buffers():
+        held = csr.static_csr(getattr(model, name), *model._graph_sizes()[name])
+        assert held is not None and held.col is getattr(model, f"{name}_csr_col")
+        eager = csr.build_csr(getattr(model, name), *model._graph_sizes()[name])
+        assert all(torch.equal(a, b) for a, b in zip(held, eager)), name
+    assert not any(k.endswith(("_csr_col", "_csr_rowptr")) for k in model.state_dict())
+    assert _sorts_in_compiled_forward(model, images) == 0
+    for name in model.graph_buffers():  # without them: two sorts per graph
+        delattr(getattr(model, name), csr.STATIC_ATTR)
+    assert _sorts_in_compiled_forward(model, images) >= 2 * len(model.graph_buffers())
+
+
+def test_static_csrs_follow_to_and_load_state_dict():
+    import copy
+
+    from qsv_pyg.nn import csr
+
+    model = _small_graph_net()
+    double = copy.deepcopy(model).to(torch.float64)  # new buffer tensors
+    held = csr.static_csr(double.inner_edges, double.sizes[-1], double.sizes[-1])
+    assert held is not None and held.col is double.inner_edges_csr_col
+    state = model.state_dict()
+    flipped = state["inner_edges"].flip(1)  # other edges, same node sets
+    state["inner_edges"] = flipped.clone()
+    model.load_state_dict(state)
+    held = csr.static_csr(model.inner_edges, model.sizes[-1], model.sizes[-1])
+    want = csr.build_csr(flipped, model.sizes[-1], model.sizes[-1])
+    assert all(torch.equal(a, b) for a, b in zip(held, want))
+
+
+def test_attach_static_csr_refuses_a_csr_of_another_graph():
+    from qsv_pyg.nn import csr
+
+    g = _graph(6, 2)
+    with pytest.raises(ValueError, match="does not fit the edge index"):
+        csr.attach_static_csr(torch.zeros(2, 5, dtype=torch.long), 6, 6, g)
