@@ -130,18 +130,49 @@ def _triton_interpreter_numpy_shim() -> Optional[str]:
     return "patched triton.runtime.interpreter._patch_lang_tensor (__index__ squeezes)"
 
 
+#: Optional compiled extras, by the marker of the tests that need them. The
+#: package runs without them (kNN falls back to an exact brute force, PyG to
+#: torch's scatter); a GPU image without them skips these tests, with the reason.
+OPTIONAL_EXTRAS = {"requires_torch_cluster": "torch_cluster",
+                   "requires_torch_scatter": "torch_scatter"}
+
+
+def _import_error(module: str) -> Optional[str]:
+    """Why ``module`` does not import (None when it does)."""
+    try:
+        __import__(module)
+    except Exception as exc:  # ImportError, or a broken build (OSError, ...)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def pytest_configure(config):
     _triton_interpreter_numpy_shim()
+    for marker, module in OPTIONAL_EXTRAS.items():
+        config.addinivalue_line("markers", f"{marker}: needs {module} (an optional extra; "
+                                           f"skipped with the reason when it does not import)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip cleanly on a machine without a CUDA device."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (marked cuda; run on a GPU with -m cuda)")
+    """Tests marked ``cuda`` skip cleanly on a machine without a CUDA device;
+    tests marked ``requires_torch_cluster`` / ``requires_torch_scatter`` where
+    that extra does not import."""
+    missing = {}
+    for marker, module in OPTIONAL_EXTRAS.items():
+        if any(item.get_closest_marker(marker) is not None for item in items):
+            error = _import_error(module)
+            if error is not None:
+                missing[marker] = pytest.mark.skip(
+                    reason=f"needs {module}, an optional extra that does not import here "
+                           f"({error})")
+    cuda_skip = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason="needs CUDA (marked cuda; run on a GPU with -m cuda)")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+        if cuda_skip is not None and item.get_closest_marker("cuda") is not None:
+            item.add_marker(cuda_skip)
+        for marker, skip in missing.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")
