@@ -227,7 +227,7 @@ def compile_sm90(variant: Variant) -> int:
     fn = getattr(tk._kernels(False), name)
     if type(fn).__name__ == "InterpretedFunction":
         raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported")
-    constexprs = {k: (getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
+    constexprs = {k: (tl.dtype(v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
                   for k, v in consts}
     signature = {**dict(sig), **{k: "constexpr" for k in constexprs}}
     binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
