@@ -233,12 +233,23 @@ def test_compiled_graph_net_reads_its_static_csrs():
     assert _sorts_in_compiled_forward(model, images) >= 2 * len(model.graph_buffers())
 
 
+def _pickled(model):
+    import io
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a whole GraphNet still pickles (no lambda hooks)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_static_csrs_follow_to_and_load_state_dict():
     import copy
 
     from qsv_pyg.nn import csr
 
     model = _small_graph_net()
+    for twin in (copy.deepcopy(model), _pickled(model)):
+        held = csr.static_csr(twin.inner_edges, twin.sizes[-1], twin.sizes[-1])
+        assert held is not None and held.col is twin.inner_edges_csr_col
     double = copy.deepcopy(model).to(torch.float64)  # new buffer tensors
     held = csr.static_csr(double.inner_edges, double.sizes[-1], double.sizes[-1])
     assert held is not None and held.col is double.inner_edges_csr_col

@@ -215,8 +215,7 @@ class GraphNet(ImageClassifier):
         # Their CSRs too (not saved: rebuilt from the edges), so that a compiled
         # step reads them instead of sorting the graphs again on every call.
         self._build_static_csrs()
-        self.register_load_state_dict_post_hook(
-            lambda module, incompatible: module._build_static_csrs())
+        self.register_load_state_dict_post_hook(_rebuild_static_csrs)
 
         self.embed = LambertPatchEmbedding(hierarchy.image_coords, patch_size=patch_size,
                                            image_size=image_size, in_ch=in_ch, dim=widths[0])
@@ -472,6 +471,12 @@ class GraphNet(ImageClassifier):
 
     def extra_repr(self) -> str:
         return f"{self.describe()}, {format_count(self.num_parameters())} parameters"
+
+
+def _rebuild_static_csrs(module: "GraphNet", incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the loaded edges get their CSRs (a module-level
+    function, so that a GraphNet still pickles)."""
+    module._build_static_csrs()
 
 
 def _renamed(old: str, value: Any, current: Any) -> Any:
