@@ -102,14 +102,22 @@ def model_configs(device: torch.device) -> Iterator[Tuple[str, Callable[[], None
     from qsv_pyg.models import build_model
 
     pairs = [(m, TRAIN_BATCH) for m in TRAIN_MODELS] + list(OTHER_BATCHES)
+    built: Dict[str, torch.nn.Module] = {}  # one model per name (building takes seconds)
+
+    def model_of(name: str) -> torch.nn.Module:
+        if name not in built:
+            torch.manual_seed(0)
+            built[name] = build_model(name, num_classes=10).to(device)
+        return built[name]
+
     for name, batch in pairs:
         for precision in PRECISIONS:
             def run(name=name, precision=precision, batch=batch):
                 gen = torch.Generator().manual_seed(2)
                 images = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
                 labels = torch.randint(0, 10, (batch, ), generator=gen).to(device)
-                torch.manual_seed(0)
-                model = build_model(name, num_classes=10).to(device)
+                model = model_of(name)
+                model.zero_grad(set_to_none=True)
                 with _autocast(device, precision):
                     loss = F.cross_entropy(model(images).float(), labels) \
                         + model.auxiliary_loss()
@@ -197,13 +205,21 @@ def _patched_env(name, value):
             os.environ[name] = old
 
 
-def record_variants(which: Optional[List[str]] = None) -> Dict[Variant, List[str]]:
+def record_variants(which: Optional[List[str]] = None,
+                    precisions: Tuple[str, ...] = ("fp32", )) -> Dict[Variant, List[str]]:
     """``variant -> [configurations that launch it]`` of every configuration
-    (or of those whose name starts with one of ``which``), found on the CPU."""
+    (or of those whose name starts with one of ``which``), found on the CPU.
+
+    Only the ``precisions`` given are run: under bf16 autocast the operator is
+    a float32 op (its autocast registration, on CPU and CUDA alike), so the
+    bf16 configurations launch the float32 variants (``precisions=PRECISIONS``
+    shows it)."""
     out: Dict[Variant, List[str]] = {}
     device = torch.device("cpu")
     for name, run in configs(device):
         if which and not any(name.startswith(w) for w in which):
+            continue
+        if name.rsplit(" ", 1)[1] not in precisions:
             continue
         sink: list = []
         with recording(sink):

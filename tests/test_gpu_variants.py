@@ -27,7 +27,7 @@ def _compile_all(variants):
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_conv_benchmark_variants_compile_for_sm90():
-    variants = gpu_warmup.record_variants(["conv"])
+    variants = gpu_warmup.record_variants(["conv"], precisions=gpu_warmup.PRECISIONS)
     kernels = {v[0] for v in variants}
     assert kernels == set(gpu_warmup.KERNELS), kernels  # all four, with and without dq/dk
     assert len(variants) >= 6
