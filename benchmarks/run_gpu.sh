@@ -20,13 +20,15 @@
 # hold the verdicts. What each verdict means: benchmarks/README.md, section "GPU".
 #
 # Each phase starts with the warm-up step (benchmarks/gpu_warmup.py): one
-# forward+backward of every configuration the later steps run, at tiny sizes,
+# forward+backward of every configuration the timed steps run, at tiny sizes,
 # which compiles every Triton kernel variant they launch into the caches below
 # before anything is timed (a second phase on the same machine finds them
-# there; on a fresh machine it compiles them again). The limits are sized for a
-# cold cache: the Triton tests compile about 64 variants of 0.4-1.8 s each, a
-# compiled training step an inductor graph per block. No step stops at the
-# first failure (no -x): every test runs and reports.
+# there; on a fresh machine it compiles them again). The test steps launch
+# test-only variants (tiny graphs, int32 indices, half precision) and compile
+# them themselves: their limits are sized for a cold cache (the Triton tests
+# compile about 64 variants of 0.4-1.8 s each), as are the compiled training
+# steps' (an inductor graph per block). No step stops at the first failure
+# (no -x): every test runs and reports.
 #
 # Two commands of 420 s and the machine's start fit in a 15-minute lease: run
 # them back to back (a machine stays warm for 30 s after a command).
