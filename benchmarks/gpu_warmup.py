@@ -302,7 +302,11 @@ def main(argv=None) -> int:
         print(f"{len(rows)} variants" + (", all compiled for sm_90" if args.compile_sm90
                                          else ""))
     else:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            print(f"gpu_warmup: --device {args.device!r} is not a device", file=sys.stderr)
+            return 2
         if device.type == "cuda" and not torch.cuda.is_available():
             print("gpu_warmup: --device cuda but no CUDA device", file=sys.stderr)
             return 2

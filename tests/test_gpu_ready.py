@@ -208,8 +208,10 @@ def _sorts_in_compiled_forward(model, images) -> int:
         return gm.forward
 
     with torch.no_grad():
-        torch.compile(model, backend=backend)(images)
+        got = torch.compile(model, backend=backend)(images)
+        want = model(images)
     torch._dynamo.reset()
+    torch.testing.assert_close(got, want)  # the static CSRs are the graphs' own
     return len(found)
 
 

@@ -44,3 +44,12 @@ def test_cifar_model_variants_compile_for_sm90():
     variants = gpu_warmup.record_variants([f"train qsv b{gpu_warmup.TRAIN_BATCH} fp32"])
     assert {v[0] for v in variants} == set(gpu_warmup.KERNELS)
     _compile_all(variants)
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda"])
+def test_warmup_refuses_a_device_it_cannot_use(device, capsys):
+    import torch
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("there is a CUDA device here")
+    assert gpu_warmup.main(["--device", device]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
