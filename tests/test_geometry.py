@@ -510,6 +510,7 @@ def test_cuda():
     assert (square_to_sphere(sphere_to_square(p)) - p).abs().max() < 1e-10
 
 
+@pytest.mark.requires_torch_cluster  # without it both sides are the fallback
 def test_knn_without_torch_cluster_matches(monkeypatch):
     """The brute-force fallback (no torch_cluster installed) gives the same graphs."""
     import qsv_pyg.geometry.knn as knn_mod

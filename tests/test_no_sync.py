@@ -14,7 +14,11 @@ so :class:`SyncChecker` checks the *calls* that would sync on CUDA:
   host-to-device copy, synchronous from pageable memory).
 
 Calls made by the functions in :data:`ALLOWED` are syncs by design (or reads of
-host memory that only look like one on the CPU), each with its reason. The step is the real loop body (``trainer._train_epoch``: batch,
+host memory that only look like one on the CPU), each with its reason. The
+loop's one-step-late metrics read is not among them: it reads a host buffer
+(:class:`SyncChecker` is told which tensors are those buffers) after waiting
+for the previous step's copy event, and
+:func:`test_metrics_read_waits_for_the_previous_step_only` checks which event. The step is the real loop body (``trainer._train_epoch``: batch,
 augmentation, stop check, forward, backward, optimiser, schedule), run for a
 whole epoch after a warm-up epoch (caches of new graphs, optimiser state).
 
@@ -57,9 +61,6 @@ N_TRAIN, N_TEST, BATCH = 32, 16, 8  # 4 steps per epoch
 #: ``(module, function) -> why`` its syncs are by design. A sync counts as allowed
 #: when one of these functions is on the Python stack.
 ALLOWED: Dict[Tuple[str, str], str] = {
-    ("qsv_pyg.training.trainer", "_absorb"):
-        "the one-step-late loss read: it reads the previous step's loss, which the "
-        "device has finished by then, so the queue never drains",
     ("qsv_pyg.training.distributed", "all_reduce_max_host"):
         "the per-step agreement of the ranks (stop, budget mark) reads a CPU tensor "
         "reduced over Gloo; nothing on the device is involved",
@@ -118,6 +119,9 @@ class SyncChecker(TorchDispatchMode):
         super().__init__()
         self.found: List[Tuple[str, str]] = []
         self._patches = contextlib.ExitStack()
+        #: Returns the tensors that are host memory by design (the training
+        #: loop's metrics buffers): reading them is no sync.
+        self.host_buffers = lambda: ()
 
     def _record(self, what: str) -> None:
         if _allowed_frame() is None:
@@ -149,8 +153,11 @@ class SyncChecker(TorchDispatchMode):
         setattr(owner, attr, wrapped)
 
     def __enter__(self):
+        def device_data(t, *args, **kwargs):
+            return not any(t is b for b in self.host_buffers())
+
         for attr in ("item", "tolist", "__bool__", "cpu", "numpy"):
-            self._wrap(torch.Tensor, attr, f"Tensor.{attr}")
+            self._wrap(torch.Tensor, attr, f"Tensor.{attr}", device_data)
 
         def from_host(data=None, *args, device=None, **kwargs):
             return device is not None and not torch.is_tensor(data)
@@ -226,6 +233,9 @@ def _run(model: str, data_dir: Path, out: Path, device: str, stack: contextlib.E
 def _epoch(run, state: LoopState, checker=None) -> None:
     """One training epoch through the real loop body (``trainer._train_epoch``)."""
     progress = trainer._Progress()
+    if checker is not None:
+        checker.host_buffers = lambda: (progress.readback.buffers
+                                        if getattr(progress, "readback", None) else ())
     with stopping.InterruptFlag(distributed=False) as interrupt:
         with checker if checker is not None else contextlib.nullcontext():
             assert trainer._train_epoch(run, state, progress, interrupt) is None
@@ -244,6 +254,52 @@ def test_training_step_does_not_sync(model, data_dir, tmp_path):
         _epoch(run, state, checker)
     assert checker.found == [], "\n".join(f"{what} at {where}"
                                           for what, where in checker.found)
+
+
+class _FakeEvent:
+    """A CUDA event's stand-in on the CPU: notes the last queued step when it is
+    recorded, and ``(that step, the last queued step)`` when it is waited for."""
+
+    def __init__(self, waits: list, queued: list):
+        self.waits, self.queued, self.step = waits, queued, None
+
+    def record(self):
+        self.step = self.queued[0]
+
+    def synchronize(self):
+        self.waits.append((self.step, self.queued[0]))
+
+    def query(self):
+        self.synchronize()
+        return True
+
+
+def test_metrics_read_waits_for_the_previous_step_only(data_dir, tmp_path, monkeypatch):
+    """The loop reads step t's loss after step t + 1 is queued and waits for step
+    t's copy event only; only the read after the epoch's last step waits for it."""
+    waits: list = []
+    queued = [0]
+    monkeypatch.setattr(trainer, "_copy_event", lambda device: _FakeEvent(waits, queued))
+    with contextlib.ExitStack() as stack:
+        run, state = _run("qsv", data_dir, tmp_path / "run", "cpu", stack)
+        step = run.scheduler.step
+
+        def counted_step(*args, **kwargs):  # once per optimiser step, after it is queued
+            queued[0] += 1
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(run.scheduler, "step", counted_step)
+        _epoch(run, state)
+    n = run.steps_per_epoch
+    assert waits == [(t, t + 1) for t in range(1, n)] + [(n, n)], waits
+
+
+def test_readback_copies_into_its_own_buffers():
+    """Two host buffers: a push never overwrites values still to be read."""
+    rb = trainer._Readback(torch.device("cpu"))
+    a = rb.push(torch.tensor([1.0, 2.0]))
+    b = rb.push(torch.tensor([3.0, 4.0]))
+    assert a != b and rb.read(a) == [1.0, 2.0] and rb.read(b) == [3.0, 4.0]
 
 
 def test_csr_cache_hits_on_a_device_are_not_verified():
@@ -292,22 +348,16 @@ def test_distributed_stop_agreement_is_on_the_host(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", list(SMALL))
 def test_no_sync_cuda(model, data_dir, tmp_path):
-    """On a GPU: a whole epoch under ``set_sync_debug_mode("error")`` (real syncs raise)."""
-    allowed_read = trainer._absorb
+    """On a GPU: a whole epoch under ``set_sync_debug_mode("error")`` (real syncs raise).
 
-    def absorb(*args):
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return allowed_read(*args)  # by design: the previous step's loss
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
+    The metrics read is not exempted: a non-blocking copy into pinned memory and
+    an event wait are no syncs to that mode (a ``.tolist()`` of a device tensor,
+    the old read, is). Which event it waits for is checked on the CPU
+    (:func:`test_metrics_read_waits_for_the_previous_step_only`)."""
     with contextlib.ExitStack() as stack:
         run, state = _run(model, data_dir, tmp_path / "run", "cuda", stack)
         _epoch(run, state)
         torch.cuda.synchronize()
-        stack.enter_context(pytest.MonkeyPatch.context()).setattr(trainer, "_absorb", absorb)
 
         class Strict:
             def __enter__(self):

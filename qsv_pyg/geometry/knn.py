@@ -19,6 +19,15 @@ Distances are compared exactly as computed in the input dtype, so ties are only
 recognised when the arithmetic is exact (e.g. integer coordinates, see
 :func:`~qsv_pyg.geometry.build_lattice_hierarchy`).
 
+Without :mod:`torch_cluster` (an optional extra: the GPU image has none) the
+candidates come from an exact brute force on any device
+(:func:`_candidates_brute_force`: chunks of targets, squared distances in the
+same arithmetic as the re-sort, :func:`torch.topk`), with memory bounded by
+:data:`BRUTE_FORCE_ELEMENTS`. Both paths give the same graphs: the candidates
+only have to contain the :obj:`k` nearest, and the re-sort by (distance,
+index) and the doubling until no tie straddles the :obj:`k`-th place decide
+the rest, including among exactly equidistant sources (lattices).
+
 Because of the fixed layout, :func:`dense_neighbors` can view such an
 :obj:`edge_index` as a :obj:`[num_targets, k]` neighbour table for free.
 """
@@ -38,6 +47,10 @@ __all__ = ["knn_within", "knn_cross", "dense_neighbors"]
 
 # torch_cluster's CUDA kernel keeps its candidate list in registers and refuses k > 100.
 _CUDA_MAX_K = 100
+#: Elements of the ``[targets, sources, D]`` difference tensor one chunk of the
+#: brute-force search holds (2**24: 64 MiB in float32; the distances and top-k
+#: of a chunk are smaller). On a GPU a 16k x 16k search in 3-D is about 50 chunks.
+BRUTE_FORCE_ELEMENTS = 1 << 24
 
 
 def _check_pos(pos: Tensor, name: str, fn: str) -> None:
@@ -63,10 +76,10 @@ def _candidates(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
     """``[N_dst, k_query]`` indices into :obj:`src` that contain the
     :obj:`k_query` nearest sources of every destination (in some order)."""
     n_src, n_dst = src.size(0), dst.size(0)
-    if k_query >= n_src or (src.is_cuda and k_query > _CUDA_MAX_K):
-        # Every source is a candidate; cheaper and simpler than a tree search.
+    if k_query >= n_src:
+        # Every source is a candidate; cheaper and simpler than a search.
         return torch.arange(n_src, device=src.device).expand(n_dst, n_src)
-    if torch_cluster is None:
+    if torch_cluster is None or (src.is_cuda and k_query > _CUDA_MAX_K):
         return _candidates_brute_force(src, dst, k_query)
     row, col = torch_cluster.knn(src, dst, k_query)  # row: dst index, col: src index
     if row.numel() != n_dst * k_query:
@@ -79,11 +92,21 @@ def _candidates(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
 
 
 def _candidates_brute_force(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
-    """:func:`_candidates` without torch_cluster: exact top-k of pairwise
-    distances, in chunks of destinations so memory stays bounded."""
-    chunk = max(1, (1 << 24) // max(1, src.size(0)))
-    out = [torch.cdist(dst[i:i + chunk], src).topk(k_query, dim=1, largest=False).indices
-           for i in range(0, dst.size(0), chunk)]
+    r""":func:`_candidates` without torch_cluster: the exact top-:obj:`k_query`
+    of the squared distances, in chunks of destinations so that a chunk's
+    ``[chunk, N_src, D]`` differences hold at most :data:`BRUTE_FORCE_ELEMENTS`.
+
+    The distances are :math:`\sum_d (p_{j,d} - p_{i,d})^2` in the input dtype,
+    the arithmetic of :func:`_select`'s re-sort (not :func:`torch.cdist`, whose
+    matrix-product form rounds differently): every source left out is then
+    exactly at least as far as the farthest candidate, which the tie check
+    relies on. Ties among candidates are broken by the re-sort, not here."""
+    n_src, dim = src.size(0), max(1, src.size(1))
+    chunk = max(1, BRUTE_FORCE_ELEMENTS // max(1, n_src * dim))
+    out = []
+    for i in range(0, dst.size(0), chunk):
+        d2 = (src.unsqueeze(0) - dst[i:i + chunk].unsqueeze(1)).pow(2).sum(dim=-1)
+        out.append(d2.topk(k_query, dim=1, largest=False, sorted=False).indices)
     return torch.cat(out, dim=0)
 
 

@@ -34,6 +34,7 @@ from ..geometry import (
 )
 from ..geometry.hierarchy import KINDS as HIERARCHY_KINDS
 from ..nn import QSVConv
+from ..nn.csr import GraphCSR, attach_static_csr, build_csr, check_range
 from ..nn.quat_sources import conv_quat_source, quat_source_spellings
 from ..utils import is_positive_int
 from .base import ImageClassifier, format_count
@@ -211,6 +212,10 @@ class GraphNet(ImageClassifier):
         for s, edges in enumerate(hierarchy.cross_edges):
             self.register_buffer(f"cross_edges_{s}", edges.detach().clone().long())
         self.register_buffer("inner_edges", hierarchy.inner_edges.detach().clone().long())
+        # Their CSRs too (not saved: rebuilt from the edges), so that a compiled
+        # step reads them instead of sorting the graphs again on every call.
+        self._build_static_csrs()
+        self.register_load_state_dict_post_hook(_rebuild_static_csrs)
 
         self.embed = LambertPatchEmbedding(hierarchy.image_coords, patch_size=patch_size,
                                            image_size=image_size, in_ch=in_ch, dim=widths[0])
@@ -338,6 +343,41 @@ class GraphNet(ImageClassifier):
             self.register_buffer(f"repulsion_nbrs_{s}", nbr.clone())
             self.repulsion_levels.append(s)
 
+    # ------------------------------------------------------------ static CSRs
+    def _graph_sizes(self) -> Dict[str, tuple]:
+        """``buffer name -> (num_src, num_dst)`` of every graph."""
+        out = {f"cross_edges_{s}": (self.sizes[s], self.sizes[s + 1])
+               for s in range(len(self.sizes) - 1)}
+        out["inner_edges"] = (self.sizes[-1], self.sizes[-1])
+        return out
+
+    def _build_static_csrs(self) -> None:
+        """Build every graph's CSR (:func:`~qsv_pyg.nn.csr.build_csr`, after a
+        range check) into non-persistent buffers ``<graph>_csr_<field>`` and
+        attach them to the edge buffers (:func:`~qsv_pyg.nn.csr.attach_static_csr`).
+        Called at construction and after ``load_state_dict`` (new edges)."""
+        for name, (n_src, n_dst) in self._graph_sizes().items():
+            edges = getattr(self, name)
+            check_range(edges, n_src, n_dst)
+            with torch.no_grad():
+                csr = build_csr(edges, n_src, n_dst)
+            for field, t in zip(GraphCSR._fields, csr):
+                self.register_buffer(f"{name}_csr_{field}", t, persistent=False)
+        self._attach_static_csrs()
+
+    def _attach_static_csrs(self) -> None:
+        for name, (n_src, n_dst) in self._graph_sizes().items():
+            csr = GraphCSR(*(getattr(self, f"{name}_csr_{f}") for f in GraphCSR._fields))
+            attach_static_csr(getattr(self, name), n_src, n_dst, csr)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() make new buffer tensors: attach the new CSRs
+        # to the new edge tensors.
+        out = super()._apply(fn, *args, **kwargs)
+        if hasattr(self, "inner_edges_csr_col"):
+            self._attach_static_csrs()
+        return out
+
     # ------------------------------------------------------------- accessors
     def cross_edges(self, s: int) -> Tensor:
         """Edges from level ``s`` to level ``s + 1`` (``[2, N_{s+1} * k_cross]``)."""
@@ -431,6 +471,12 @@ class GraphNet(ImageClassifier):
 
     def extra_repr(self) -> str:
         return f"{self.describe()}, {format_count(self.num_parameters())} parameters"
+
+
+def _rebuild_static_csrs(module: "GraphNet", incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the loaded edges get their CSRs (a module-level
+    function, so that a GraphNet still pickles)."""
+    module._build_static_csrs()
 
 
 def _renamed(old: str, value: Any, current: Any) -> Any:

@@ -13,6 +13,12 @@ cache, for message passing (:class:`~qsv_pyg.nn.QSVConv`'s other path, PyG's
 convs in :class:`~qsv_pyg.models.blocks.GraphConvAdapter`). Under
 :func:`torch.compile` the same arrays are built inside the graph on every call
 (sorts of static shape, no host syncs): the cache cannot key on storage there.
+A static graph avoids that: its owner builds the CSR once, keeps it in module
+buffers and attaches it to the edge index (:func:`attach_static_csr`, as
+:class:`~qsv_pyg.models.GraphNet` does for its graphs); a compiled call then
+reads those buffers (:func:`static_csr`) instead of sorting again, and only
+the batch copies (:func:`batch_csr`: an ``arange`` and adds, no sort) are
+computed in the graph.
 
 What the cache (:func:`graph_csr`) guarantees:
 
@@ -212,6 +218,47 @@ def batch_csr(g: GraphCSR, batch: int, num_src: int, num_dst: int) -> GraphCSR:
                     _copies(g.row_t, batch, num_dst))
 
 
+#: The attribute of an edge index tensor that holds its :class:`StaticCSR`.
+STATIC_ATTR = "_qsv_static_csr"
+
+
+class StaticCSR(NamedTuple):
+    """A CSR kept by the owner of a static graph (see :func:`attach_static_csr`)."""
+    num_src: int
+    num_dst: int
+    csr: GraphCSR
+
+
+def attach_static_csr(edge_index: Tensor, num_src: int, num_dst: int,
+                      csr: GraphCSR) -> None:
+    """Attach ``csr`` (the :class:`GraphCSR` of ``edge_index``, e.g. held in
+    module buffers) to the tensor ``edge_index`` for compiled calls.
+
+    Under :func:`torch.compile`, :func:`graph_csr` then reads these arrays
+    rather than building them in the graph on every call. The owner keeps them
+    current: nothing checks, inside a compiled graph, that ``edge_index`` still
+    holds the values ``csr`` was built from (rebuild and attach again after
+    writing new edges into it, as :class:`~qsv_pyg.models.GraphNet` does after
+    ``load_state_dict`` and ``.to()``). Eager calls keep using the cache, which
+    verifies its hits."""
+    if type(edge_index) is not Tensor:
+        raise TypeError(f"attach_static_csr needs a plain tensor, got {type(edge_index)}")
+    if csr.num_edges != edge_index.size(1) or csr.rowptr.numel() != num_dst + 1 \
+            or csr.rowptr_t.numel() != num_src + 1:
+        raise ValueError(f"the CSR ({csr.num_edges} edges, {csr.rowptr.numel() - 1} targets, "
+                         f"{csr.rowptr_t.numel() - 1} sources) does not fit the edge index "
+                         f"({edge_index.size(1)} edges, {num_dst} targets, {num_src} sources)")
+    setattr(edge_index, STATIC_ATTR, StaticCSR(num_src, num_dst, csr))
+
+
+def static_csr(edge_index: Tensor, num_src: int, num_dst: int) -> Optional[GraphCSR]:
+    """The CSR attached to ``edge_index`` for these node counts, or None."""
+    held = getattr(edge_index, STATIC_ATTR, None)
+    if held is None or held.num_src != num_src or held.num_dst != num_dst:
+        return None
+    return held.csr
+
+
 def plain_edge_index(edge_index: Tensor) -> Tensor:
     """A plain tensor of ``edge_index``'s values: an
     :class:`~torch_geometric.EdgeIndex` keeps them in its ``as_tensor()``."""
@@ -362,10 +409,14 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
     :func:`configure_cache` for the choice). Index ranges are checked once per
     graph, with one host sync, when its entry is built; a hit costs no range
     check. The arrays are normal (not inference) tensors, also when built
-    under :func:`torch.inference_mode`.
+    under :func:`torch.inference_mode`. Under :func:`torch.compile` the CSR
+    attached to a static graph (:func:`attach_static_csr`) is used when there
+    is one, else it is built in the graph.
     """
     if is_compiling():
-        g = build_csr(edge_index, num_src, num_dst)
+        g = static_csr(edge_index, num_src, num_dst)
+        if g is None:
+            g = build_csr(edge_index, num_src, num_dst)
         return batch_csr(g, batch, num_src, num_dst) if batch else g
     return _cached(edge_index, ("csr", num_src, num_dst, batch), _make_csr)
 

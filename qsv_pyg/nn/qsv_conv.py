@@ -207,13 +207,18 @@ class QSVConv(MessagePassing):
             comparisons). ``"always"`` is a deprecated synonym of ``"auto"``,
             still accepted for old code (it once required a fixed-degree
             graph; every graph has the fast path now). (default: :obj:`"auto"`)
-        check_finite (bool, optional): Raise :class:`ValueError` on non-finite
-            features, quaternions, positions or temperatures :math:`\beta_h`.
-            This costs one reduction and a host sync per input and is skipped
-            under :func:`torch.compile`. Without the check a non-finite input
-            propagates: the affected outputs (and gradients) are NaN, never
-            silently replaced (a NaN quaternion is not read as the identity).
-            (default: :obj:`True`)
+        check_finite (bool or str, optional): Raise :class:`ValueError` on
+            non-finite features, quaternions, positions or temperatures
+            :math:`\beta_h`. This costs one reduction per input and, on a
+            device, a host sync per input (three or more per layer and call);
+            it is skipped under :func:`torch.compile`. ``"auto"`` checks inputs
+            on the CPU (where the read waits for nothing) and skips the check
+            on other devices, so a CUDA forward does not sync; :obj:`True`
+            checks on every device, :obj:`False` on none. Without the check a
+            non-finite input propagates: the affected outputs (and gradients)
+            are NaN, never silently replaced (a NaN quaternion is not read as
+            the identity), and the training loop's loss check reports it.
+            (default: :obj:`"auto"`)
         edge_dim (int, optional): Edge feature dimensionality (:obj:`-1`: lazy),
             as in :class:`~torch_geometric.nn.conv.GATConv`: the edge features
             ``edge_attr`` add a per-head linear score to the logit,
@@ -273,7 +278,7 @@ class QSVConv(MessagePassing):
         bias: bool = True,
         quat_source: str = "auto",
         dense_path: str = "auto",
-        check_finite: bool = True,
+        check_finite: Union[bool, str] = "auto",
         edge_dim: Optional[int] = None,
         fill_value: Union[float, Tensor, str] = "mean",
         edge_message: bool = False,
@@ -306,6 +311,9 @@ class QSVConv(MessagePassing):
         self.project_input = project_input
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
         self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
+        if not (check_finite is True or check_finite is False or check_finite == "auto"):
+            raise ValueError(f"check_finite must be True, False or 'auto', got "
+                             f"{check_finite!r}")
         self.check_finite = check_finite
         if edge_dim is not None and (isinstance(edge_dim, bool) or not isinstance(
                 edge_dim, int) or (edge_dim < 1 and edge_dim != -1)):
@@ -556,7 +564,7 @@ class QSVConv(MessagePassing):
                 src_q = new_src
 
         assert src_q is not None
-        if self.check_finite and not is_compiling():
+        if self._checks_finite(src_q):
             _check_finite(src_q, "source quaternions")
             _check_finite(dst_q, "target quaternions")
         # Normalised in float32 (float64 for float64 input) also when given in
@@ -571,6 +579,13 @@ class QSVConv(MessagePassing):
             dst_q.to(torch.promote_types(dst_q.dtype, torch.float32)))
 
     # -------------------------------------------------------- call checks
+    def _checks_finite(self, t: Tensor) -> bool:
+        """Whether this call checks finiteness (``check_finite``; never under
+        :func:`torch.compile`): ``"auto"`` only for inputs on the CPU."""
+        if is_compiling() or self.check_finite is False:
+            return False
+        return self.check_finite is True or t.device.type == "cpu"
+
     def _check_call(self, x_src: Tensor, x_dst: OptTensor, edge_index: Adj) -> None:
         """Shapes, dtypes and (with ``check_finite``) finiteness of a call."""
         if x_src.dim() not in (2, 3):
@@ -585,7 +600,7 @@ class QSVConv(MessagePassing):
             raise ValueError(f"source and target features must have the same number "
                              f"of dimensions; got {tuple(x_src.shape)} and "
                              f"{tuple(x_dst.shape)}")
-        if self.check_finite and not is_compiling():
+        if self._checks_finite(x_src):
             _check_finite(x_src, "node features")
             _check_finite(x_dst if x_dst is not x_src else None, "node features")
             # An overflowing temperature would turn every weight into NaN.
@@ -610,7 +625,7 @@ class QSVConv(MessagePassing):
             if t.size(0) != rows:
                 raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
                                  f"{rows} {side} nodes")
-            if self.check_finite and not is_compiling():
+            if self._checks_finite(t):
                 _check_finite(t, f"{side} positions (pos)")
         return pair
 
@@ -803,7 +818,7 @@ class QSVConv(MessagePassing):
         if edge_attr.size(0) != num_edges:
             raise ValueError(f"QSVConv: edge_attr has {edge_attr.size(0)} rows but there "
                              f"are {num_edges} edges")
-        if self.check_finite and not is_compiling():
+        if self._checks_finite(edge_attr):
             _check_finite(edge_attr, "edge features (edge_attr)")
         return edge_attr
 

@@ -35,11 +35,14 @@ through Triton's interpreter (slow: for the tests).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import sys
 import threading
+import warnings
+import weakref
 from types import ModuleType
 from typing import Optional
 
@@ -61,15 +64,35 @@ def mode() -> str:
     return os.environ.get("QSV_PYG_TRITON", "1")
 
 
+def _installed() -> bool:
+    """Whether a :mod:`triton` package is there to import (without importing it;
+    ``sys.modules["triton"] = None`` hides it)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def importable() -> bool:
-    """Whether :mod:`triton` imports (checked once)."""
+    """Whether :mod:`triton` imports (checked once).
+
+    Not installed: :obj:`False`, silently (the operator uses its other
+    implementations). Installed but failing to import (a broken install, a
+    version mismatch, no usable backend): :obj:`False` and one
+    :class:`RuntimeWarning` naming the error, so a CUDA run does not fall back
+    to the slower PyTorch implementation unnoticed."""
     if "ok" not in _IMPORTABLE:
         try:
             import triton  # noqa: F401
             import triton.language  # noqa: F401
             _IMPORTABLE["ok"] = True
-        except Exception:  # not installed, or no usable backend
+        except Exception as exc:  # not installed, or no usable backend
             _IMPORTABLE["ok"] = False
+            if _installed():
+                warnings.warn(f"qsv_pyg: Triton is installed but does not import "
+                              f"({type(exc).__name__}: {exc}); the QSV operator uses its "
+                              f"PyTorch implementation on CUDA instead of the fused "
+                              f"kernels", RuntimeWarning, stacklevel=2)
     return _IMPORTABLE["ok"]
 
 
@@ -140,22 +163,68 @@ class _Setup:
         self.head_tiles = -(-self.H // self.BH)
 
 
+def _on_device(launch):
+    """Run ``launch(t, ...)`` with ``t``'s CUDA device current: Triton launches
+    on the current device, so a tensor on ``cuda:1`` without
+    :func:`torch.cuda.set_device` would otherwise be read from ``cuda:0``."""
+    @functools.wraps(launch)
+    def guarded(t: Tensor, *args, **kwargs):
+        if t.device.type != "cuda":
+            return launch(t, *args, **kwargs)
+        with torch.cuda.device(t.device):
+            return launch(t, *args, **kwargs)
+    return guarded
+
+
 def _nonempty(t: Tensor, like: Tensor) -> Tensor:
     """A stand-in pointer for an unused (empty) argument."""
     return t if t.numel() else like
 
 
+#: Graphs whose CSR passed :func:`_check_graph`: ``id(col) -> (weakref(rowptr),
+#: weakref(col), rowptr version, col version, num_src)``; an entry goes with its
+#: tensors (a weakref callback), so a freed address is never mistaken for a
+#: checked graph.
+_CHECKED: dict = {}
+
+
+def _checked_key(rowptr: Tensor, col: Tensor, num_src: int) -> Optional[tuple]:
+    """What identifies a checked graph, or None when it cannot be tracked
+    (inference tensors have no version counter)."""
+    if rowptr.is_inference() or col.is_inference():
+        return None
+    return (rowptr._version, col._version, num_src)
+
+
 def _check_graph(rowptr: Tensor, col: Tensor, num_src: int) -> None:
     """The kernels index unchecked (a graph built under torch.compile skips the
-    Python range check): refuse a malformed CSR, asynchronously on CUDA."""
+    Python range check): refuse a malformed CSR, asynchronously on CUDA.
+
+    Once per graph: the ``rowptr`` / ``col`` tensors of a checked call are
+    remembered by identity and version counter, so the next forward over the
+    same graph (the CSR cache and static CSR buffers hand out the same tensors)
+    launches nothing here; an in-place write to either tensor checks it again.
+    The check itself is about 14 small kernels (and no host sync)."""
     E = col.numel()
     if rowptr.numel() == 0:
         raise RuntimeError("qsv_pyg triton: rowptr must have N_dst + 1 entries")
+    key = _checked_key(rowptr, col, num_src)
+    seen = _CHECKED.get(id(col))
+    if key is not None and seen is not None and seen[0]() is rowptr and seen[1]() is col \
+            and seen[2:] == key:
+        return
     ok = (rowptr[0] == 0) & (rowptr[-1] == E) & (rowptr.diff() >= 0).all()
     if E:
         ok = ok & (col.min() >= 0) & (col.max() < num_src)
     torch._assert_async(ok, "qsv_pyg triton: malformed CSR graph (rowptr must run "
                         "non-decreasing from 0 to E, col within [0, N_src))")
+    if key is not None:
+        ident = id(col)
+
+        def forget(_ref, ident=ident):
+            _CHECKED.pop(ident, None)
+
+        _CHECKED[ident] = (weakref.ref(rowptr, forget), weakref.ref(col, forget)) + key
 
 
 def _check_scale(scale: Tensor, E: int, H: int, name: str = "scale") -> bool:
@@ -169,6 +238,7 @@ def _check_scale(scale: Tensor, E: int, H: int, name: str = "scale") -> bool:
     return True
 
 
+@_on_device
 def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tensor,
             scale: Tensor, bias: Tensor, rowptr: Tensor, col: Tensor, use_abs: bool,
             rotate: bool):
@@ -199,6 +269,7 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     return z, alpha, u, y, dot
 
 
+@_on_device
 def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Tensor,
              ks: Tensor, kd: Tensor, beta: Tensor, scale: Tensor, rowptr: Tensor,
              col: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, alpha: Tensor,

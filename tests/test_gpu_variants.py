@@ -1,0 +1,55 @@
+"""The Triton kernel variants that ``benchmarks/run_gpu.sh`` launches compile
+for Hopper (sm_90) without a GPU: a representative subset here (every kernel of
+bench_conv's QSV layers, and the CIFAR model's batch-as-channels tiles in the
+slow test); ``python3 benchmarks/gpu_warmup.py --compile-sm90`` compiles all."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_warmup  # noqa: E402
+
+
+def _compile_all(variants):
+    try:
+        sizes = {gpu_warmup.describe(v): gpu_warmup.compile_sm90(v) for v in variants}
+    except RuntimeError as exc:
+        if "TRITON_INTERPRET" in str(exc) or "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot compile for sm_90 here: {exc!s:.200}")
+        raise
+    assert all(size > 0 for size in sizes.values()), sizes
+    return sizes
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_conv_benchmark_variants_compile_for_sm90():
+    variants = gpu_warmup.record_variants(["conv"], precisions=gpu_warmup.PRECISIONS)
+    kernels = {v[0] for v in variants}
+    assert kernels == set(gpu_warmup.KERNELS), kernels  # all four, with and without dq/dk
+    assert len(variants) >= 6
+    one_each = {}
+    for v in variants:  # one variant of each kernel: the feature-quaternion layer's
+        if v[0] not in one_each or dict(v[2]).get("NEED_Q"):
+            one_each[v[0]] = v
+    _compile_all(one_each.values())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_cifar_model_variants_compile_for_sm90():
+    variants = gpu_warmup.record_variants([f"train qsv b{gpu_warmup.TRAIN_BATCH} fp32"])
+    assert {v[0] for v in variants} == set(gpu_warmup.KERNELS)
+    _compile_all(variants)
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda"])
+def test_warmup_refuses_a_device_it_cannot_use(device, capsys):
+    import torch
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("there is a CUDA device here")
+    assert gpu_warmup.main(["--device", device]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
