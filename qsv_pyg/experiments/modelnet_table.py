@@ -20,10 +20,12 @@ encoding of its fixed training/validation inputs (kNN graphs and frames for the
 QSV rows), the per-epoch re-encoding under SO3 training (inside the model's
 forward) and every optimiser step are included; loading and subsampling the
 npz, common to every unit, is not). The learning rate follows a cosine from
-``--lr`` to 0 whose progress is the larger of the used fraction of the budget
-and the step count over the epochs estimated from the first epoch's time (as
-the CIFAR ``--anneal-to-budget``), so every unit ends annealed; training stops
-at the first step after the budget is spent. Then it is evaluated once on the
+``--lr`` to 0 in the used fraction of the budget, set before every step (the
+CIFAR ``--anneal-to-budget`` without an epoch cap), so every unit ends annealed
+whatever its speed; training stops at the first step after the budget is
+spent, mid-epoch if need be (that epoch is logged ``partial``). Each epoch's
+log line gives ``planned_epochs``, the epochs the budget holds estimated from
+the epoch times so far (after the first epoch: from its time). Then it is evaluated once on the
 validation split and on the test sets (their time is reported, not budgeted).
 
 **Data.** ``<data-root>/<dataset>/*.npz`` with ``pos_train [S, N, 3]``,
@@ -396,7 +398,6 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     count = train_y.numel()
     fixed = encode(model, train_pos, train_y) if cfg["train"] == "aligned" else None
     encode_seconds = used()
-    steps_per_epoch = count // cfg["batch_size"] + (count % cfg["batch_size"] >= 2)
     planned_epochs: Optional[int] = None
     step = epoch = 0
     prog = 0.0
@@ -419,8 +420,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             idx = order[i:i + cfg["batch_size"]]
             if idx.numel() < 2:  # batch norm needs two clouds
                 continue
-            by_steps = step / (planned_epochs * steps_per_epoch) if planned_epochs else 0.0
-            prog = max(prog, used() / budget, by_steps)
+            prog = max(prog, used() / budget)
             for group in optimizer.param_groups:
                 group["lr"] = cfg["lr"] * cosine(prog)
             optimizer.zero_grad()
@@ -432,7 +432,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             loss_sum += float(loss.detach()) * idx.numel()
             correct += int((out.argmax(-1) == train["y"][idx]).sum())
             seen += idx.numel()
-            if used() >= budget or (planned_epochs and step >= planned_epochs * steps_per_epoch):
+            if used() >= budget:
                 stopped = True
                 break
         epoch += 1
@@ -440,8 +440,9 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
         partial = seen < count - 1 and stopped
         if not partial:
             epoch_seconds.append(seconds)
-        if planned_epochs is None and not partial:
-            planned_epochs = max(1, int((budget - encode_seconds) // max(seconds, 1e-9)))
+        if not partial:  # the epochs the budget holds, from the epochs' times so far
+            planned_epochs = epoch + max(0, int((budget - used()) // statistics.fmean(
+                epoch_seconds)))
         stats = {"loss": loss_sum / max(seen, 1), "acc": correct / max(seen, 1)}
         log({"epoch": epoch, "partial": partial, "shapes": seen,
              "train_loss": stats["loss"], "train_acc": stats["acc"], "cpu_seconds": seconds,
@@ -729,6 +730,11 @@ def units_of(args: argparse.Namespace, path: Path, arrays: Dict[str, Any]
     units = []
     for name in select_rows(args.rows):
         family, kw, trainings, seeds, ablation = ROWS[name]
+        if family == "pointnet2":
+            from qsv_pyg.models import point_controls
+            if point_controls.torch_cluster is None:
+                fail(f"row {name!r} needs torch_cluster (fps, radius), which is not "
+                     f"installed; leave it out with --rows")
         budget = args.ablation_budget_cpu_s if ablation and args.ablation_budget_cpu_s \
             else args.budget_cpu_s
         for train in (t for t in trainings if t in protocols):
@@ -760,6 +766,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     arrays = load_arrays(path, args.points)
     units = units_of(args, path, arrays)
     todo = [(f, c) for f, c in units if finished_unit(Path(f), c) is None]
+    todo.sort(key=lambda u: -u[1]["budget_cpu_s"])  # stable: the larger budgets first
     from tqdm.auto import tqdm
     bar = tqdm(total=len(units), initial=len(units) - len(todo), desc="units",
                disable=args.no_progress)
