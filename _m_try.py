@@ -12,7 +12,7 @@ ang = torch.arange(24,dtype=torch.float64)*2*math.pi/24
 poly = torch.stack([ang.cos(),ang.sin(),0*ang],1).repeat(1,1)
 clouds += [plate]
 for hier in (None, True):
-    m = QSVGeometric(10, hidden_channels=32, heads=2, k=12, pair_features=False, hierarchy=hier).double().eval()
+    m = QSVGeometric(10, hidden_channels=32, heads=2, k=12, pair_features=True, edge_message=True, source_logit=True, hierarchy=hier).double().eval()
     pos = torch.cat(clouds); batch = torch.arange(len(clouds)).repeat_interleave(128)
     t0=time.time(); a = m(pos, batch); t1=time.time()
     pr = torch.cat([c @ rot(i+5).T + torch.randn(3,generator=g,dtype=torch.float64)*3 for i,c in enumerate(clouds)])

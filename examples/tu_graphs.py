@@ -116,7 +116,8 @@ restarts the unfinished ones; ``--jobs N`` trains N units at a time in worker
 processes (a failed unit cancels the queued ones). A unit that another process
 is training (its folder's ``run.lock``) exits 2 naming that process; a damaged
 ``metrics.json`` is named and left out of the tables. ``--folds`` may not exceed
-the graphs of the smallest class (a test fold would lack it). The tables (rebuilt from the folders, also by ``--report-only``):
+the graphs of the smallest class (a test fold would lack it). The tables
+(rebuilt from the folders, also by ``--report-only``):
 ``<out-root>/table.{md,csv,json}`` (test accuracy per model and dataset, with
 the published numbers beside ours), ``<out-root>/costs.*`` (parameters and
 CPU ms per epoch) and ``<out-root>/<DATASET>/table.*`` (per dataset). Run::
@@ -411,6 +412,11 @@ def load_or_make_splits(path: Path, spec: Dict[str, Any], folds: int
                  f"use another --out-root or remove it")
         return [{k: fold[k] for k in ("train", "val", "test")} for fold in saved["splits"]]
     splits = make_splits(spec["labels"], folds)
+    for k, split in enumerate(splits):  # checked before anything is saved
+        empty = [part for part in ("train", "val", "test") if not split[part]]
+        if empty:
+            fail(f"{spec['name']} has too few graphs for --folds {folds}: fold {k}'s "
+                 f"{' and '.join(empty)} part would be empty")
     counts = np.bincount(np.asarray(spec["labels"])).tolist()
     header = {
         "dataset": spec["name"], "num_graphs": spec["num_graphs"], "folds": folds,
@@ -776,12 +782,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         check_folds(spec, args.folds)
     splits = {spec["name"]: load_or_make_splits(out_root / spec["name"] / "splits.json",
                                                 spec, args.folds) for spec in specs}
-    for name, folds in splits.items():
-        for fold, split in enumerate(folds):
-            empty = [part for part in ("train", "val", "test") if not split[part]]
-            if empty:
-                fail(f"{name} has too few graphs for --folds {args.folds}: fold {fold}'s "
-                     f"{' and '.join(empty)} part is empty")
     data = {spec["name"]: {k: v for k, v in spec.items() if k != "labels"} for spec in specs}
     tasks, done = [], 0
     for name, fold, row in unit_order(datasets, max_folds, rows):

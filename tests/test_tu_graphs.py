@@ -354,6 +354,19 @@ def test_more_folds_than_graphs_of_a_class_exits_2(tu, tmp_path, cache, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+def test_splits_with_an_empty_part_are_refused_before_they_are_saved(tu, tmp_path,
+                                                                     capsys):
+    """2 graphs per class in 2 folds: no graph is left for validation (10% of 1)."""
+    spec = {"name": "TINY", "num_graphs": 4, "labels": [0, 0, 1, 1]}
+    path = tmp_path / "TINY" / "splits.json"
+    with pytest.raises(SystemExit) as exit_info:
+        tu.load_or_make_splits(path, spec, 2)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "val part would be empty" in err[0] and "--folds 2" in err[0]
+    assert not path.exists()
+
+
 def test_another_data_root_with_the_same_cache_gets_its_own_data(tu, tmp_path, cache):
     """The cache is keyed on the raw files' content: MUTAG with flipped graph labels
     under another data root is not served the first root's copy."""

@@ -8,9 +8,12 @@ compose with PyG's own (:class:`~torch_geometric.transforms.Compose`,
     import torch_geometric.transforms as T
     import qsv_pyg.transforms as QT
 
-    transform = T.Compose([T.NormalizeScale(), QT.KNNGraph(k=20),
+    transform = T.Compose([QT.NormalizeRadius(), QT.KNNGraph(k=20),
                            QT.LocalFrames(), QT.InvariantFeatures()])
 
+* :class:`NormalizeRadius`: centre and scale to the unit ball, a rotation-invariant
+  :class:`~torch_geometric.transforms.NormalizeScale` (which divides by the
+  largest *coordinate*, so its scale changes when the cloud rotates);
 * :class:`KNNGraph`: the canonical kNN graph (``data.edge_index``);
 * :class:`LocalFrames`: every point's frame and quaternion
   (``data.frame [N, 3, 3]``, ``data.quat [N, 4]``, ``data.frame_ambiguous [N]``,
@@ -44,7 +47,7 @@ from qsv_pyg.transforms.functional import (
     point_pair_features,
 )
 
-__all__ = ["KNNGraph", "LocalFrames", "InvariantFeatures", "functional",
+__all__ = ["NormalizeRadius", "KNNGraph", "LocalFrames", "InvariantFeatures", "functional",
            "NODE_FEATURES", "EDGE_FEATURES"]
 
 
@@ -54,9 +57,34 @@ def _need(data: Data, names, transform: str, hint: str) -> None:
         raise ValueError(f"{transform}: data has no {', '.join(missing)} ({hint})")
 
 
+class NormalizeRadius(BaseTransform):
+    r"""Centres ``data.pos`` (mean of the points) and scales it so that the
+    farthest point is at distance 1 (times ``0.999999``, as PyG's
+    :class:`~torch_geometric.transforms.NormalizeScale`).
+
+    :class:`~torch_geometric.transforms.NormalizeScale` scales by the largest
+    absolute *coordinate*, which changes when the cloud rotates (by up to a
+    factor :math:`\sqrt{3}`): a rotated copy then has other distances, and no
+    invariant model sees the same input. This transform uses the largest norm,
+    which rotations keep. A cloud of one point (or of duplicates) is only
+    centred.
+    """
+
+    def forward(self, data: Data) -> Data:
+        _need(data, ["pos"], "NormalizeRadius", "a point cloud needs data.pos")
+        pos = data.pos - data.pos.mean(dim=-2, keepdim=True)
+        radius = pos.norm(dim=-1).max()
+        if radius > 0:
+            pos = pos * (0.999999 / radius)
+        data.pos = pos
+        return data
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
 class KNNGraph(BaseTransform):
-    r"""Creates the k-nearest-neighbour graph of ``data.pos``
-, like
+    r"""Creates the k-nearest-neighbour graph of ``data.pos``, like
     :class:`torch_geometric.transforms.KNNGraph` but canonical: every point
     receives exactly :obj:`k` edges, nearest first, ties broken by the smaller
     index, distances in float64 (:func:`~qsv_pyg.transforms.functional.knn_graph`).
@@ -88,8 +116,7 @@ class KNNGraph(BaseTransform):
 
 
 class LocalFrames(BaseTransform):
-    r"""Computes every point's local frame and its quaternion
- with
+    r"""Computes every point's local frame and its quaternion with
     :func:`~qsv_pyg.geometry.oriented_frames` (float64) on ``data.edge_index``
     (run :class:`KNNGraph` first).
 
@@ -130,9 +157,8 @@ class LocalFrames(BaseTransform):
 
 
 class InvariantFeatures(BaseTransform):
-    r"""Writes rotation- and translation-invariant node and edge features
- from ``data.pos``,
-    ``data.edge_index`` and the frames of :class:`LocalFrames`:
+    r"""Writes rotation- and translation-invariant node and edge features from
+    ``data.pos``, ``data.edge_index`` and the frames of :class:`LocalFrames`:
 
     * ``data.x [N, 8]``: :func:`~qsv_pyg.transforms.functional.invariant_node_features`
       (distance to the centroid, the centroid ray in the point's frame, the

@@ -2,7 +2,6 @@ r"""``QSVGeometric``: a rotation-invariant point-cloud classifier and encoder
 built from :class:`~qsv_pyg.nn.QSVConv` layers on local frames."""
 from __future__ import annotations
 
-import inspect
 import numbers
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -42,10 +41,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"QSVGeometric: {name} must be a positive integer, got {value!r}")
     return int(value)
-
-
-def _conv_supports_edges() -> bool:
-    return "edge_dim" in inspect.signature(QSVConv.__init__).parameters
 
 
 class QSVGeometric(torch.nn.Module):
@@ -95,8 +90,8 @@ class QSVGeometric(torch.nn.Module):
             quaternion). (default: :obj:`4`)
         num_layers (int, optional): Layers without hierarchy (default: 3); with
             one, the number of levels (it must match if given).
-        k (int, optional): Neighbours of the frames' neighbourhoods and of the
-            layers' kNN graph. (default: :obj:`20`)
+        k (int, optional): Neighbours of the frames' neighbourhoods and (without
+            hierarchy) of the layers' kNN graph. (default: :obj:`20`)
         hierarchy (bool or sequence, optional): :obj:`None`/:obj:`False`: every
             layer on the full cloud. :obj:`True`: :data:`DEFAULT_HIERARCHY`. A
             sequence of ``(fraction, k_level)``: layer :math:`s` runs from level
@@ -109,7 +104,11 @@ class QSVGeometric(torch.nn.Module):
         pair_features (bool, optional): Feed the point-pair features as edge
             features (QSVConv's ``edge_dim``). (default: :obj:`True`)
         edge_message (bool, optional): Also add the edge features into the
-            messages (QSVConv's ``edge_message``). (default: :obj:`False`)
+            messages (QSVConv's ``edge_message``: embedded in the source's
+            frame and transported with it). (default: :obj:`False`)
+        source_logit (bool, optional): Add GAT's per-source score
+            :math:`\mathbf{a}_h^\top \mathbf{x}_j` to the logits (QSVConv's
+            ``source_logit``). (default: :obj:`False`)
         transport (str, optional): ``"sandwich"`` (the frames' relative
             rotations) or ``"identity"`` (ablation). (default: :obj:`"sandwich"`)
         routing (str, optional): One of :data:`GEOMETRIC_ROUTINGS`.
@@ -140,6 +139,7 @@ class QSVGeometric(torch.nn.Module):
         hierarchy: Union[bool, Sequence[Tuple[float, int]], None] = None,
         pair_features: bool = True,
         edge_message: bool = False,
+        source_logit: bool = False,
         transport: str = "sandwich",
         routing: str = "abs",
         frame_rule: str = "robust",
@@ -191,12 +191,9 @@ class QSVGeometric(torch.nn.Module):
                              f"{FRAME_RULES}")
         if edge_message and not pair_features:
             raise ValueError("QSVGeometric: edge_message=True needs pair_features=True")
-        if pair_features and not _conv_supports_edges():
-            raise ValueError("QSVGeometric: pair_features=True needs QSVConv's edge "
-                             "features (edge_dim), which this qsv_pyg lacks; pass "
-                             "pair_features=False")
         self.pair_features = pair_features
         self.edge_message = edge_message
+        self.source_logit = source_logit
         self.transport = transport
         self.routing = routing
         self.frame_rule = frame_rule
@@ -206,7 +203,7 @@ class QSVGeometric(torch.nn.Module):
         h = hidden_channels
         self.lin_in = torch.nn.Linear(len(NODE_FEATURES), h)
         conv_kw: Dict[str, Any] = dict(heads=heads, routing=routing, transport=transport,
-                                       quat_source="given")
+                                       quat_source="given", source_logit=source_logit)
         if pair_features:
             conv_kw["edge_dim"] = len(EDGE_FEATURES)
             if edge_message:
