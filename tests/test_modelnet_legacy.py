@@ -1,4 +1,4 @@
-"""examples/modelnet.py: ModelNet10 under rotations, on a tiny slice of the shared
+"""benchmarks/modelnet_legacy.py (the old examples/modelnet.py table): ModelNet10 under rotations, on a tiny slice of the shared
 data (skipped where /work/shared/data/ModelNet10 or torch_cluster is absent).
 
 Nothing is written next to the data: every run folder lives under tmp_path, and
@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,9 @@ def monkeypatch_module():
 def modelnet(monkeypatch_module):
     pytest.importorskip("torch_cluster")
     monkeypatch_module.syspath_prepend(str(EXAMPLES))
+    monkeypatch_module.syspath_prepend(str(BENCHMARKS))
     torch.set_num_threads(1)
-    return importlib.import_module("modelnet")
+    return importlib.import_module("modelnet_legacy")
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +322,7 @@ def test_report_only_names_damaged_units_and_leaves_them_out(modelnet, tmp_path,
 
 def test_cli_missing_folder_exits_2(tmp_path):
     pytest.importorskip("torch_cluster")
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "modelnet.py"), "--data-root",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "modelnet_legacy.py"), "--data-root",
                            str(tmp_path), "--out-root", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
