@@ -211,6 +211,12 @@ def test_float32_predictions_agree_on_real_modelnet10_shapes():
         b = m(*stack(moved))
     assert torch.equal(a.argmax(1), b.argmax(1))
     assert float((a - b).abs().max()) < 1e-3 * float(a.abs().max())
+    # float64 model and positions: the logits agree to 1e-9 on the same shapes.
+    m64 = m.double()
+    with torch.no_grad():
+        a64 = m64(*stack([c.double() for c in clouds]))
+        b64 = m64(*stack(move_each([c.double() for c in clouds], 3)))
+    assert float((a64 - b64).abs().max()) < 1e-9
 
 
 def test_bad_arguments_and_inputs_are_named():

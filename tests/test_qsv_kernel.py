@@ -67,14 +67,18 @@ def random_graph(n_src, n_dst, num_edges, seed, isolated=(0, )):
     return torch.stack([src, dst])
 
 
-def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs, scale=None):
-    """Per edge, from the definition: logit beta <k_i, k_j>, softmax over each
+def literal(v, q_src, q_dst, k_src, k_dst, beta, edge_index, num_dst, use_abs, scale=None,
+            bias=None):
+    """Per edge, from the definition: logit beta <k_i, k_j> (plus the additive
+    term ``bias`` ``[E, H]``, edge order, when given), softmax over each
     target's edges, message Q_i^T Q_j v_j (r = q_i* q_j sandwich), sum; with
     ``scale`` ``[E, H]`` (edge order) each message is also scaled by it (the
     returned weights are not)."""
     src, dst = edge_index
     d = (k_dst[dst] * k_src[src]).sum(-1)
     logit = beta * (d.abs() if use_abs else d)
+    if bias is not None:
+        logit = logit + bias
     alpha = torch.zeros_like(logit)
     for i in range(num_dst):
         m = dst == i
@@ -555,3 +559,122 @@ def test_cpp_kernel_refuses_a_malformed_graph():
         with pytest.raises(RuntimeError, match=match):
             cpu_ext.cpu_kernel().forward(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0),
                                          v.new_empty(0), rowptr, col, False, True)
+
+
+# ------------------------------------------- additive logit term (edge features)
+def biased_results(inputs, ei, graph, n_dst, use_abs, bias, seed, scale=None):
+    """``(got, want)``: z, alpha (edge order) and the gradients of every input
+    and of the additive term ``bias`` (edge order; handed to the operator in
+    the graph's target-sorted order) for a random cotangent, by
+    :func:`qsv_attend` and by autograd of :func:`literal`."""
+    ref_ins = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    op_ins = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    b_ref, b_op = bias.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    z_ref, a_ref = literal(*ref_ins, ei, n_dst, use_abs, scale=scale, bias=b_ref)
+    gz = torch.randn(z_ref.shape, generator=gen(seed), dtype=z_ref.dtype)
+    ga = torch.randn(a_ref.shape, generator=gen(seed + 1), dtype=z_ref.dtype)
+    params = [t for t in ref_ins if t is not None] + [b_ref]
+    want = [z_ref, a_ref, *torch.autograd.grad((z_ref * gz).sum() + (a_ref * ga).sum(), params,
+                                               materialize_grads=True)]
+    sorted_bias = b_op[graph.perm]
+    z, alpha = qsv_attend(*op_ins, graph, use_abs, edge_logit=sorted_bias,
+                          edge_scale=None if scale is None else scale[graph.perm])
+    alpha = in_edge_order(alpha, graph)
+    got = [z, alpha, *torch.autograd.grad((z * gz).sum() + (alpha * ga).sum(),
+                                          [t for t in op_ins if t is not None] + [b_op],
+                                          materialize_grads=True)]
+    return [t.detach() for t in got], [t.detach() for t in want]
+
+
+@pytest.mark.parametrize("graph_kind", list(SCALE_GRAPHS))
+@pytest.mark.parametrize("variant", list(SCALE_VARIANTS))
+def test_edge_logit_matches_literal_formula(variant, graph_kind, impl):
+    """logit = beta <k_i, k_j> + b_ij: z, alpha and the gradients of every input
+    and of b (dL/dlogit) against autograd of the literal formula, float64,
+    with isolated targets; also with a scale (attention dropout) on top."""
+    D, use_abs, rot = SCALE_VARIANTS[variant]
+    n_src, n_dst, num_edges, isolated = SCALE_GRAPHS[graph_kind]
+    H, M = 2, 2
+    ei = random_graph(n_src, n_dst, num_edges, seed=90, isolated=isolated)
+    graph = graph_csr(ei, n_src, n_dst)
+    inputs = operator_inputs(n_src, n_dst, H, M, D, torch.float64, seed=91, rotate=rot)
+    bias = 2 * torch.randn(num_edges, H, generator=gen(92), dtype=torch.float64)
+    got, want = biased_results(inputs, ei, graph, n_dst, use_abs, bias, seed=93)
+    assert len(got) == len(want) == 3 + len([t for t in inputs if t is not None])
+    assert_results_close(got, want, **TOL[torch.float64])
+    torch.testing.assert_close(got[-1], want[-1], **TOL[torch.float64])  # d bias
+    for i in isolated:
+        assert torch.equal(got[0][i], torch.zeros_like(got[0][i]))
+    scale = dropout_scale(num_edges, H, 0.4, seed=94)
+    got, want = biased_results(inputs, ei, graph, n_dst, use_abs, bias, seed=95, scale=scale)
+    assert_results_close(got, want, **TOL[torch.float64])
+    torch.testing.assert_close(got[-1], want[-1], **TOL[torch.float64])
+
+
+def test_edge_logit_float32_and_zero_is_none(impl):
+    n, H, M = 10, 3, 2
+    ei = random_graph(n, n, 36, seed=96)
+    graph = graph_csr(ei, n, n)
+    inputs = operator_inputs(n, n, H, M, 4, torch.float32, seed=97)
+    bias = torch.randn(36, H, generator=gen(98))
+    got, want = biased_results(inputs, ei, graph, n, False, bias, seed=99)
+    assert_results_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got[-1], want[-1], **TOL[torch.float32])
+    z0, a0 = qsv_attend(*inputs, graph, edge_logit=torch.zeros(36, H))
+    z1, a1 = qsv_attend(*inputs, graph)
+    torch.testing.assert_close(z0, z1, rtol=0, atol=0)
+    torch.testing.assert_close(a0, a1, rtol=0, atol=0)
+    # a term constant over each target's edges is cancelled by the softmax
+    shift = torch.randn(n, H, generator=gen(100))[graph.row]
+    z2, a2 = qsv_attend(*inputs, graph, edge_logit=shift)
+    torch.testing.assert_close(z2, z1, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="edge_logit .* must be"):
+        qsv_attend(*inputs, graph, edge_logit=torch.zeros(35, H))
+
+
+@pytest.mark.parametrize("keys,rotate", [(4, True), (0, False)], ids=["learned", "plain"])
+def test_edge_logit_gradcheck_and_gradgradcheck(keys, rotate, impl):
+    n_src, n_dst, H, M = 6, 5, 2, 1
+    ei = random_graph(n_src, n_dst, 14, seed=101)
+    graph = graph_csr(ei, n_src, n_dst)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys, torch.float64,
+                                                  seed=102, rotate=rotate)
+    bias = torch.randn(14, H, generator=gen(103), dtype=torch.float64)
+    ps = [t.requires_grad_() for t in (v, q_s, q_d, k_s, k_d, beta, bias) if t is not None]
+
+    def f(*ts):
+        it = iter(ts)
+        v_ = next(it)
+        qs_, qd_ = (unit_quaternion(next(it)), unit_quaternion(next(it))) if rotate \
+            else (None, None)
+        k_s_, k_d_, b_, bias_ = next(it), next(it), next(it), next(it)
+        return qsv_attend(v_, qs_, qd_, k_s_, k_d_, b_, graph, edge_logit=bias_)
+
+    assert torch.autograd.gradcheck(f, tuple(ps), fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, tuple(ps), fast_mode=True)
+
+
+def test_opcheck_with_edge_logit(impl):
+    n_src, n_dst, H, M = 8, 5, 2, 3
+    ei = random_graph(n_src, n_dst, 20, seed=104)
+    g = graph_csr(ei, n_src, n_dst)
+    for keys, rotate in ((4, True), (0, False)):
+        v, q_s, q_d, k_s, k_d, beta = operator_inputs(n_src, n_dst, H, M, keys,
+                                                      torch.float64, seed=105, rotate=rotate)
+        empty = v.new_empty(0, H, 4)
+        bias = torch.randn(20, H, generator=gen(106), dtype=torch.float64)
+        args = (v.requires_grad_(), empty if q_s is None else q_s.requires_grad_(),
+                empty if q_d is None else q_d.requires_grad_(), k_s.requires_grad_(),
+                k_d.requires_grad_(), beta.requires_grad_(), v.new_empty(0),
+                bias.requires_grad_(), g.rowptr, g.col, g.row, g.rowptr_t, g.perm_t, g.row_t,
+                False, rotate)
+        torch.library.opcheck(attend, args)
+
+
+def test_operator_refuses_a_misshapen_edge_logit(impl):
+    n, H = 6, 2
+    g = graph_csr(random_graph(n, n, 14, seed=107), n, n)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n, n, H, 1, 4, torch.float64, seed=108)
+    with pytest.raises(RuntimeError, match="bias \\(14, 1\\) must be empty or \\[E, H\\]"):
+        attend(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), v.new_ones(14, 1), g.rowptr, g.col,
+               g.row, g.rowptr_t, g.perm_t, g.row_t, False, True)

@@ -66,13 +66,16 @@ def make_inputs(n_src, n_dst, H, M, D, rotate_, seed):
     return [v, qs, qd, ks, kd, beta]
 
 
-def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs, scale=None):
-    """From the definition, per edge: logit beta <k_i, k_j>, softmax over each
-    target's edges, message r v_j r* with r = q_i* q_j (times ``scale``
-    ``[E, H]``, edge order, when given; the weights returned unscaled), sum."""
+def literal(v, qs, qd, ks, kd, beta, edge_index, n_dst, use_abs, scale=None, bias=None):
+    """From the definition, per edge: logit beta <k_i, k_j> (plus ``bias``
+    ``[E, H]``, edge order, when given), softmax over each target's edges,
+    message r v_j r* with r = q_i* q_j (times ``scale`` ``[E, H]``, edge order,
+    when given; the weights returned unscaled), sum."""
     src, dst = edge_index
     d = (kd[dst] * ks[src]).sum(-1)
     logit = beta * (d.abs() if use_abs else d)
+    if bias is not None:
+        logit = logit + bias
     alpha = torch.zeros_like(logit)
     for i in range(n_dst):
         m = dst == i
@@ -99,19 +102,24 @@ def op_graph(g):
 
 
 def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, seed=0,
-             scale=None):
+             scale=None, bias=None):
     """``(got, want)``: z, alpha (edge order) and the gradients of every input
     for a random cotangent, by the operator (``dtype`` on DEVICE) and by
     autograd of :func:`literal` in float64 (from the same rounded inputs);
-    ``scale`` ``[E, H]`` in edge order, handed to the operator sorted."""
+    ``scale`` ``[E, H]`` in edge order, handed to the operator sorted; so is
+    the additive logit term ``bias``, an input too (its gradient comes last)."""
     g = gen(seed)
+    if bias is not None:
+        inputs = [*inputs, bias]
     ins = [None if t is None else t.to(dtype) for t in inputs]
     ref_ins = [None if t is None else t.double().requires_grad_() for t in ins]
     dev_ins = [None if t is None else t.to(DEVICE).requires_grad_() for t in ins]
     if scale is not None:
         scale = scale.to(dtype)
-    z_ref, a_ref = literal(*ref_ins, edge_index, n_dst, use_abs,
-                           scale=None if scale is None else scale.double())
+    nb = 1 if bias is not None else 0
+    z_ref, a_ref = literal(*ref_ins[:len(ref_ins) - nb], edge_index, n_dst, use_abs,
+                           scale=None if scale is None else scale.double(),
+                           bias=ref_ins[-1] if nb else None)
     gz = torch.randn(z_ref.shape, generator=g, dtype=torch.float64)
     ga = torch.randn(a_ref.shape, generator=g, dtype=torch.float64)
     params = [t for t in ref_ins if t is not None]
@@ -120,7 +128,8 @@ def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, see
     graph = on_device(graph)
     calls = dict(tk.CALLS)
     edge_scale = None if scale is None else scale.to(DEVICE)[graph.perm]
-    z, alpha = qsv_attend(*dev_ins, graph, use_abs, edge_scale=edge_scale)
+    z, alpha = qsv_attend(*dev_ins[:len(dev_ins) - nb], graph, use_abs, edge_scale=edge_scale,
+                          edge_logit=dev_ins[-1][graph.perm] if nb else None)
     alpha_edges = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
     loss = (z.double() * gz.to(DEVICE)).sum() + (alpha_edges.double() * ga.to(DEVICE)).sum()
     dev_params = [t for t in dev_ins if t is not None]
@@ -133,7 +142,9 @@ def run_both(inputs, edge_index, graph, n_dst, use_abs, dtype=torch.float32, see
 
 
 def assert_all_close(got, want, **tol):
-    names = ["z", "alpha", "grad v", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"]
+    names = ["z", "alpha", "grad v", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5",
+             "grad 6"]
+    assert len(got) == len(want)
     for name, a, b in zip(names, got, want):
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
 
@@ -162,6 +173,66 @@ def test_variants_match_the_literal_formula(variant):
     got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs)
     assert_all_close(got, want, **TOL32)
     assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+
+
+@pytest.mark.parametrize("variant", ["learned", "uniform", "abs-no-transport"])
+def test_edge_logit_matches_the_literal_formula(variant):
+    """The additive logit term b_ij on the Triton kernels: forward, every
+    gradient and dL/db, float32 to 1e-5 (several edge steps per row)."""
+    D, use_abs, rot = VARIANTS[variant]
+    n_src, n_dst, H, M = 7, 4, 2, 1
+    ei = random_graph(n_src, n_dst, 40, seed=40)  # degree > BLOCK_E: several steps
+    inputs = make_inputs(n_src, n_dst, H, M, D, rot, seed=41)
+    bias = 2 * torch.randn(40, H, generator=gen(42), dtype=torch.float64)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs, bias=bias,
+                         seed=43, scale=torch.rand(40, H, generator=gen(44),
+                                                   dtype=torch.float64))
+    assert len(got) == 3 + len([t for t in inputs if t is not None])
+    assert_all_close(got, want, **TOL32)
+
+
+def test_opcheck_with_edge_logit_on_the_triton_path():
+    n_src, n_dst, H, M = 4, 3, 2, 1
+    ei = random_graph(n_src, n_dst, 8, seed=45)
+    g = on_device(build_csr(ei, n_src, n_dst))
+    v, qs, qd, ks, kd, beta = (t.float().to(DEVICE).requires_grad_()
+                               for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=46))
+    bias = torch.randn(8, H, generator=gen(47)).to(DEVICE).requires_grad_()
+    calls = dict(tk.CALLS)
+    torch.library.opcheck(attend, (v, qs, qd, ks, kd, beta, v.new_empty(0), bias,
+                                   *op_graph(g), False, True))
+    assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
+
+
+def test_backward_walks_never_read_and_write_one_buffer():
+    """Issue 32 item 6: backward_rows' second walk over a row read the parked
+    softmax gradient from ``gd`` and overwrote it in the same iteration; on a GPU
+    two threads of a program may own an entry in the two layouts, so a read could
+    see another thread's store. Every loop of every kernel now loads from and
+    stores to disjoint buffers (the interpreter, which runs sequentially, cannot
+    show the race; the tests above check that the results are unchanged)."""
+    import ast
+    import inspect
+
+    from qsv_pyg.nn import _triton_kernels as kernels
+
+    def pointer(call):  # tl.load(ptr + off, ...) -> "ptr"
+        node = call.args[0]
+        while isinstance(node, ast.BinOp):
+            node = node.left
+        return node.id if isinstance(node, ast.Name) else None
+
+    def calls(loop, name):
+        return {pointer(n) for n in ast.walk(loop) if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute) and n.func.attr == name}
+
+    for name in ("forward_rows", "backward_rows", "backward_cols"):
+        src = inspect.getsource(getattr(kernels, name).fn)
+        loops = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.For)]
+        assert loops, name
+        for loop in loops:
+            both = calls(loop, "load") & calls(loop, "store")
+            assert not both, f"{name}: a loop loads and stores {sorted(both)}"
 
 
 def _batched(n_src, n_dst, B, seed):
@@ -365,6 +436,34 @@ def test_compiled_layer_calls_the_operator_and_matches_eager():
         torch.testing.assert_close(a, b, **TOL32)
 
 
+def test_layer_with_edge_features_on_the_triton_path():
+    """QSVConv with edge features in the logit and the message, the per-source
+    term and geometric routing (all in the additive term) on the Triton kernels:
+    output and the gradients of the features and edge features against the
+    literal per-edge formula of nn/reference.py, float64 inputs cast to float32."""
+    from qsv_pyg.nn import QSVConv, qsv_conv_reference
+    torch.manual_seed(16)
+    n = 6
+    conv = QSVConv(8, 3, heads=2, edge_dim=2, edge_message=True, source_logit=True,
+                   routing="geometric", add_self_loops=True).double().eval()
+    ei = random_graph(n, n, 12, seed=17, isolated=())
+    ei = ei[:, ei[0] != ei[1]]
+    x = torch.randn(n, 8, generator=gen(18), dtype=torch.float64)
+    ea = torch.randn(ei.size(1), 2, generator=gen(19), dtype=torch.float64)
+    pos = torch.randn(n, 3, generator=gen(20), dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (x, ea)]
+    ref, _ = qsv_conv_reference(conv, ref_in[0], ei, pos=pos, edge_attr=ref_in[1])
+    want = [ref, *torch.autograd.grad(ref.pow(2).sum(), ref_in)]
+    conv = conv.float().to(DEVICE)
+    dev_in = [t.float().to(DEVICE).requires_grad_() for t in (x, ea)]
+    calls = dict(tk.CALLS)
+    out = conv(dev_in[0], ei.to(DEVICE), dev_in[1], pos=pos.float().to(DEVICE))
+    got = [out, *torch.autograd.grad(out.pow(2).sum(), dev_in)]
+    assert tk.CALLS["forward"] > calls["forward"] and tk.CALLS["backward"] > calls["backward"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a
@@ -383,14 +482,15 @@ def test_kernels_compile_for_a_gpu():
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
-        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, scale=f, rowptr=i, col=i,
-                              y_out=f, z_out=f, alpha_out=f, dot_out=f, **dims),
-         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, **blocks)),
+        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, scale=f, bias=f, rowptr=i,
+                              col=i, y_out=f, z_out=f, alpha_out=f, dot_out=f, **dims),
+         dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, HAS_BIAS=True,
+              **blocks)),
         (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, scale=f,
-                               rowptr=i, col=i, alpha=f, y=f, gd=a, gbeta_part=a, gqd=f,
-                               gkd=f, **dims),
+                               rowptr=i, col=i, alpha=f, y=f, ga_buf=a, gd=a, glogit=f,
+                               gbeta_part=a, gqd=f, gkd=f, **dims),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, HAS_SCALE=True,
-              NEED_Q=True, NEED_K=True, **blocks)),
+              NEED_Q=True, NEED_K=True, NEED_BIAS=True, **blocks)),
         (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, scale=f, gd=a,
                                rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
          dict(ROTATE=True, HAS_SCALE=True, NEED_U=True, NEED_V=True, NEED_Q=True,
@@ -433,5 +533,6 @@ def test_malformed_graph_is_refused():
     bad_col = g.col.clone()
     bad_col[2] = n
     with pytest.raises(RuntimeError, match="malformed CSR"):
-        tk.forward(v, qs, qd, ks, kd, beta, v.new_empty(0), g.rowptr, bad_col, False, True)
+        tk.forward(v, qs, qd, ks, kd, beta, v.new_empty(0), v.new_empty(0), g.rowptr, bad_col,
+                   False, True)
 

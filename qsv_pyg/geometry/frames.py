@@ -12,6 +12,12 @@ layer becomes invariant to rotations of the input when its input features are
 written in the local frames (:math:`R_i^\top \mathbf{v}_i`) and its routing does
 not depend on the quaternions' signs (``routing="abs"``; a rotation matrix fixes
 its quaternion only up to sign).
+
+:func:`local_frames` signs the axes by the mean offset only, so its frames do not
+rotate with the cloud on planar, flat or symmetric neighbourhoods;
+:func:`oriented_frames` resolves those by a documented equivariant rule and
+marks the nodes where no equivariant frame exists. Both raise a ``ValueError``
+naming the first non-finite position.
 """
 from __future__ import annotations
 
@@ -90,6 +96,13 @@ def local_frames(pos: Tensor, edge_index: Tensor, num_nodes: Optional[int] = Non
     Returns:
         Rotation matrices ``[N, 3, 3]`` whose columns are
         :math:`\mathbf{e}_1, \mathbf{e}_2, \mathbf{e}_3` in ``pos``'s dtype.
+
+    Raises:
+        ValueError: malformed shapes, or a non-finite position (the message
+            names the first such point).
+
+    See :func:`oriented_frames` for frames that rotate with the cloud on
+    planar and symmetric neighbourhoods too.
     """
     if pos.dim() != 2 or pos.size(1) != 3:
         raise ValueError(f"pos must have shape [num_nodes, 3], got {tuple(pos.shape)}")

@@ -42,7 +42,6 @@ from .csr import (
     plain_edge_index,
     with_self_loops_and_attr,
 )
-from .qsv_kernel import _rotate as rotate_blocks
 from .qsv_kernel import distance_logits, qsv_attend, routing_logits
 from .quat_sources import resolve_quat_source
 
@@ -215,6 +214,29 @@ class QSVConv(MessagePassing):
             propagates: the affected outputs (and gradients) are NaN, never
             silently replaced (a NaN quaternion is not read as the identity).
             (default: :obj:`True`)
+        edge_dim (int, optional): Edge feature dimensionality (:obj:`-1`: lazy),
+            as in :class:`~torch_geometric.nn.conv.GATConv`: the edge features
+            ``edge_attr`` add a per-head linear score to the logit,
+            :math:`\beta_h \mathrm{Re}\, r_{ij} + (\mathbf{W}_e e_{ij})_h`
+            (``lin_edge``, bias-free). (default: :obj:`None`)
+        fill_value (float or torch.Tensor or str, optional): The edge features
+            of the added self-loops (``add_self_loops=True`` and ``edge_dim``):
+            a value, a ``[edge_dim]`` tensor, or a reduction of each target's
+            incoming edge features (``"add"``, ``"mean"``, ``"min"``,
+            ``"max"``, ``"mul"``), as in GATConv. (default: :obj:`"mean"`)
+        edge_message (bool, optional): Also add an embedding
+            :math:`\mathbf{W}_m e_{ij}` (``lin_edge_msg``, to the padded source
+            width) to :math:`\mathbf{x}_j` before the transport, so it is
+            rotated with it: the message is :math:`r_{ij} (\mathbf{x}_j +
+            \mathbf{W}_m e_{ij}) r_{ij}^*`. The embedding has the source
+            features' channel layout (blocks of four per head; component 0
+            kept, components 1-3 rotated, read in the source's frame); needs
+            ``edge_dim`` and a known source width. (default: :obj:`False`)
+        source_logit (bool, optional): Add a per-head linear score of the source
+            features :math:`a_h^\top \mathbf{x}_j` (``lin_source``; of the
+            projected features with ``project_input``) to the logit, GAT's
+            source half: a neighbour scored on its own. Off: the paper's layer.
+            (default: :obj:`False`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -225,6 +247,7 @@ class QSVConv(MessagePassing):
           (the target features may be :obj:`None` when quaternions are given
           and ``root_weight`` is not needed),
           edge indices :math:`(2, |\mathcal{E}|)` (or a sparse adjacency),
+          edge features *(optional)* :math:`(|\mathcal{E}|, D)`,
           quaternions *(optional)* :math:`(|\mathcal{V}|, H, 4)` or a pair,
           positions *(optional)* :math:`(|\mathcal{V}|, D)` or a pair
         - **output:** node features :math:`(|\mathcal{V}_t|, H * F_{out})` or
@@ -452,7 +475,14 @@ class QSVConv(MessagePassing):
         if isinstance(lin.weight, UninitializedParameter):
             lin(x)  # PyG's lazy Linear materialises itself on its first call
             self._near_identity(lin)
-        return lin(x).view(*x.shape[:-1], self.heads, 4)
+        # In float32 (float64 for float64 features) whatever the features' dtype
+        # and outside autocast: a bf16 quaternion is off the unit sphere by ~5e-3,
+        # and the sandwich would rescale the kept channel by its squared norm.
+        dt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            q = F.linear(x.to(dt), lin.weight.to(dt),
+                         None if lin.bias is None else lin.bias.to(dt))
+        return q.view(*x.shape[:-1], self.heads, 4)
 
     def _near_identity(self, lin) -> None:
         """Start a feature map near the identity rotation, so the initial
@@ -529,12 +559,16 @@ class QSVConv(MessagePassing):
         if self.check_finite and not is_compiling():
             _check_finite(src_q, "source quaternions")
             _check_finite(dst_q, "target quaternions")
-        unit_src = unit_quaternion(src_q)
+        # Normalised in float32 (float64 for float64 input) also when given in
+        # half precision or composed under autocast: the unit norm is exact to
+        # float32 rounding when they reach the operator.
+        unit_src = unit_quaternion(src_q.to(torch.promote_types(src_q.dtype, torch.float32)))
         if dst_q is None:
             return unit_src, None
         if dst_q is src_q:
             return unit_src, unit_src
-        return unit_src, unit_quaternion(dst_q)
+        return unit_src, unit_quaternion(
+            dst_q.to(torch.promote_types(dst_q.dtype, torch.float32)))
 
     # -------------------------------------------------------- call checks
     def _check_call(self, x_src: Tensor, x_dst: OptTensor, edge_index: Adj) -> None:
@@ -723,7 +757,16 @@ class QSVConv(MessagePassing):
         if return_attention_weights:
             if isinstance(edge_index, Tensor):
                 if is_torch_sparse_tensor(edge_index):
-                    adj = set_sparse_value(edge_index, alpha)
+                    if edge_index.dense_dim() > 0:  # edge features as its values
+                        if edge_index.layout != torch.sparse_coo:
+                            raise ValueError("return_attention_weights with edge features "
+                                             "as a sparse adjacency's values needs a COO "
+                                             "adjacency")
+                        adj = torch.sparse_coo_tensor(
+                            edge_index._indices(), alpha, (*edge_index.shape[:2], H),
+                            is_coalesced=edge_index.is_coalesced())
+                    else:
+                        adj = set_sparse_value(edge_index, alpha)
                     return out, (adj, alpha)
                 return out, (edge_index, alpha)
             elif isinstance(edge_index, SparseTensor):
@@ -833,16 +876,15 @@ class QSVConv(MessagePassing):
         terms = []
         if edge_attr is not None:
             assert self.lin_edge is not None
-            t = self.lin_edge(edge_attr[base_perm])
+            t = self.lin_edge(edge_attr)[base_perm]  # [E, H]: map first, then gather
             terms.append(t.repeat(copies, 1) if copies > 1 else t)
         if src_score is not None:
             terms.append(src_score.reshape(-1, self.heads)[graph.col])
-        if self.routing == "geometric":
+        if self.routing == "geometric":  # positions are shared by the copies
             assert pos[0] is not None and pos[1] is not None
-            p_src, p_dst = pos
-            if copies > 1:
-                p_src, p_dst = _flat_batch(p_src, copies), _flat_batch(p_dst, copies)
-            terms.append(distance_logits(p_dst[graph.row], p_src[graph.col], self.beta))
+            E = base_perm.numel()  # copy 0's sorted edges come first, not offset
+            t = distance_logits(pos[1][graph.row[:E]], pos[0][graph.col[:E]], self.beta)
+            terms.append(t.repeat(copies, 1) if copies > 1 else t)
         if not terms:
             return None
         out = terms[0]
@@ -867,11 +909,12 @@ class QSVConv(MessagePassing):
         with torch.autocast(weights.device.type, enabled=False):
             w = emb.to(dt).view(-1, H, C // 4, 4)
             if q_src is not None:
-                w = rotate_blocks(w, q_src.to(dt)[graph.col], False)
+                w = matrix_rotate_blocks(quaternion_to_matrix(q_src.to(dt)[graph.col]), w)
             y = w.new_zeros(num_dst, H, C // 4, 4).index_add(
                 0, graph.row, weights.view(-1, H, 1, 1) * w)
             if q_dst is not None:
-                y = rotate_blocks(y, q_dst.to(dt), True)
+                y = matrix_rotate_blocks(quaternion_to_matrix(q_dst.to(dt)).transpose(-1, -2),
+                                         y)
         return y
 
     def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
@@ -890,9 +933,11 @@ class QSVConv(MessagePassing):
         use_abs = self.routing == "abs"
         B = x.size(0) if x.dim() == 3 else 1
         per_item = path == "attend_per_item"
-        base = graph_csr(edge_index, n_src, num_dst)
-        graph = graph_csr(edge_index, n_src, num_dst, batch=B) if per_item else base
+        graph = graph_csr(edge_index, n_src, num_dst, batch=B if per_item else 0)
         copies = B if per_item else 1
+        # The base graph's sorted edges: the first copy's (batch_csr keeps copy 0's
+        # perm as it is), in the order of edge_attr.
+        base_perm = graph.perm[:edge_index.size(1)] if per_item else graph.perm
         if per_item:
             q_s = _flat_batch(q_src, B) if rotate else None
             q_d = _flat_batch(q_dst, B) if rotate else None
@@ -902,7 +947,7 @@ class QSVConv(MessagePassing):
         k_src, k_dst = self._routing_keys(q_src, q_dst, n_src, num_dst, x)
         if per_item:
             k_src, k_dst = _flat_batch(k_src, B), _flat_batch(k_dst, B)
-        logit = self._edge_logit(graph, base.perm, copies, pos, edge_attr, src_score)
+        logit = self._edge_logit(graph, base_perm, copies, pos, edge_attr, src_score)
         mask = self._dropout_mask(graph.col.numel(), x)
         if per_item:
             v = x.reshape(B * n_src, H, C // 4, 4)
@@ -913,7 +958,7 @@ class QSVConv(MessagePassing):
                               edge_scale=mask, edge_logit=logit)
         used = alpha if mask is None else alpha * mask.to(alpha.dtype)  # the weights used
         if self.edge_message and edge_attr is not None:
-            extra = self._edge_message_sum(graph, base.perm, copies, edge_attr, used, q_s,
+            extra = self._edge_message_sum(graph, base_perm, copies, edge_attr, used, q_s,
                                            q_d, copies * num_dst, C)
             if per_item:
                 z = z + extra.to(z.dtype)
@@ -948,6 +993,13 @@ class QSVConv(MessagePassing):
         ``[B, N, C]`` batch runs over ``B`` disjoint copies of the graph."""
         H = self.heads
         C = x.size(-1) // H
+        # PyG's ops take one dtype: a half-precision layer (no autocast) passes
+        # messages in its own dtype, as it always did (the unit quaternions are
+        # float32; the fast path keeps them so).
+        if q_src.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            same = q_dst is q_src
+            q_src = q_src.to(x.dtype)
+            q_dst = q_src if same else (None if q_dst is None else q_dst.to(x.dtype))
         rot_src = rot_dst = None
         if self.transport == "sandwich":
             assert q_dst is not None
@@ -1036,4 +1088,7 @@ class QSVConv(MessagePassing):
         return (f"{self.__class__.__name__}({self.in_channels}, "
                 f"{self.out_channels}, heads={self.heads}, routing={self.routing}, "
                 f"transport={self.transport}"
-                + (", project_input=True" if self.project_input else "") + ")")
+                + (", project_input=True" if self.project_input else "")
+                + (f", edge_dim={self.edge_dim}" if self.edge_dim is not None else "")
+                + (", edge_message=True" if self.edge_message else "")
+                + (", source_logit=True" if self.source_logit else "") + ")")

@@ -19,11 +19,14 @@ backward
     ``gy`` recomputed from ``gz``. No float atomics: deterministic.
 
 Without a scale (an empty tensor) the kernels are compiled without it
-(``HAS_SCALE``, a constexpr): no load, no multiply.
+(``HAS_SCALE``, a constexpr): no load, no multiply. Likewise the additive
+logit term (``bias``, ``HAS_BIAS``; its gradient ``dL/dlogit`` is written
+only when asked for, ``NEED_BIAS``).
 
 Nothing of size ``[E, H, C]`` is stored; per edge only the ``[E, H]`` weights
-and key products the operator returns anyway, and one ``[E, H]`` float32
-buffer in the backward. float16, bfloat16 and float32 inputs accumulate in
+and key products the operator returns anyway, and two ``[E, H]`` float32
+buffers in the backward (the parked softmax gradient and the key-product
+gradient: separate, so that no walk reads an entry another thread rewrites). float16, bfloat16 and float32 inputs accumulate in
 float32 (float64 in float64); int32 and int64 indices.
 
 Used for CUDA tensors when Triton imports (``QSV_PYG_TRITON=0`` turns it off).
@@ -191,8 +194,8 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
             u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v), beta,
             _nonempty(scale, v), _nonempty(bias, v), rowptr, col, _nonempty(y, z), z,
             _nonempty(alpha, z), _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs,
-            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled, HAS_BIAS=biased, ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM,
-            BD=s.BD)
+            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled, HAS_BIAS=biased, ACC=s.acc,
+            BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
     return z, alpha, u, y, dot
 
 

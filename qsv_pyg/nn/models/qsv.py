@@ -270,10 +270,11 @@ class QSV(BasicGNN):
     @torch.no_grad()
     def inference_per_layer(self, layer: int, x: Tensor, edge_index: Adj,
                             batch_size: int) -> Tensor:
-        if self.quat_source != "features" or self.convs[0].routing == "geometric":
+        if self.quat_source != "features" or self.convs[0].routing == "geometric" \
+                or self.convs[0].edge_dim is not None:
             raise NotImplementedError(
                 "layer-wise inference passes only features and edges; it supports "
-                "quat_source='features' with non-geometric routing")
+                "quat_source='features' with non-geometric routing and no edge_dim")
         return super().inference_per_layer(layer, x, edge_index, batch_size)
 
     def __repr__(self) -> str:
