@@ -117,3 +117,44 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and "\n" not in err
+
+
+def test_so3_training_of_the_controls_runs(tmp_path):
+    """The SO3/SO3 protocol (fresh rotations every epoch) for the VN and DGCNN rows."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "VN-DGCNN,dgcnn", "--protocols",
+                        "so3", "--seeds", "1", "--budget-cpu-s", "0.5"))
+    assert list(rows) == ["VN-DGCNN", "DGCNN"]
+    for row in ("vn-dgcnn", "dgcnn"):
+        metrics = json.loads((out / "Toy" / row / "so3" / "seed0" / "metrics.json").read_text())
+        assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
+
+
+def test_every_row_builds_and_controls_match_qsv_parameters():
+    target = M._target_params(10)
+    for name in M.ROW_NAMES:
+        if M.ROWS[name][0] == "pointnet2":
+            continue  # needs torch_cluster only to run, not to build
+        n = sum(p.numel() for p in M.build_model(name, 10).parameters())
+        if M.ROWS[name][0] != "qsv":
+            assert abs(n - target) <= 0.05 * target, (name, n, target)
+    assert len([n for n in M.ROW_NAMES if M.ROWS[n][4]]) == 5  # one ablation per switch
+
+
+def test_precomputed_geometry_gives_the_models_own_logits():
+    """encode() + forward() (the transforms' graph and frames, float64) feed
+    QSVGeometric what it would compute itself."""
+    torch.manual_seed(0)
+    from qsv_pyg.nn.models import QSVGeometric
+    model = QSVGeometric(4, k=6).eval()
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randn(3, 20, 3, generator=g, dtype=torch.float64) * torch.tensor(
+        [1.0, 0.5, 0.2], dtype=torch.float64)
+    y = torch.zeros(3, dtype=torch.long)
+    idx = torch.arange(3)
+    with torch.no_grad():
+        given = M.forward(model, M.encode(model, pos, y), idx)
+        own = M.forward(model, {"pos": pos.float(), "y": y}, idx)
+    assert torch.allclose(given, own, atol=1e-5), (given - own).abs().max()
