@@ -143,9 +143,10 @@ import sys
 # compare.py (the examples' shared helpers) lives in examples/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from compare import (NUMBER, PoolClassifier, QSV, Timer, add_data_args, check_folder, fail,  # noqa: E402
-                     finished_unit, matched_control, mean_std, num_params, read_units,
-                     run_in_workers, run_unit, seed_all, selected, warm_up, write_table)
+from compare import (  # noqa: E402
+    NUMBER, PoolClassifier, QSV, Timer, add_data_args, check_folder, fail, finished_unit,
+    matched_control, mean_std, num_params, read_units, run_in_workers, run_unit, seed_all,
+    selected, warm_up, write_table)
 from torch_geometric.data import Data
 
 from qsv_pyg.models import point_controls
