@@ -336,7 +336,9 @@ class VNDGCNN(torch.nn.Module):
     features' kNN graphs) are concatenated, mapped by a :class:`VNBlock` to the
     embedding width, joined with their per-cloud mean (VN mean pooling), made
     invariant by :class:`VNInvariant`, max- and mean-pooled per cloud and
-    classified by an MLP (dropout 0.5).
+    classified by an MLP (dropout 0.5) whose hidden sizes keep Deng et al.'s
+    proportions (4,092 -> 512 -> 256 at full width: a quarter and an eighth of
+    the invariant feature size).
 
     :math:`f(\mathbf{P} R^\top + \mathbf{t}) = f(\mathbf{P})` for every
     rotation :math:`R` and translation :math:`\mathbf{t}` (up to rounding and
@@ -371,7 +373,9 @@ class VNDGCNN(torch.nn.Module):
         self.embed = VNBlock(sum(widths[:-1]), emb)
         self.invariant = VNInvariant(2 * emb)
         inv = 2 * emb * 3
-        self.mlp = MLP([2 * inv, max(inv // 2, num_classes), max(inv // 4, num_classes),
+        # Deng et al.'s head at full width: 4,092 -> 512 -> 256 -> classes, i.e.
+        # hidden sizes of about inv / 4 and inv / 8 (inv = 2,046 there).
+        self.mlp = MLP([2 * inv, max(inv // 4, num_classes), max(inv // 8, num_classes),
                         num_classes], dropout=dropout, norm="batch_norm", act="leaky_relu",
                        act_kwargs={"negative_slope": 0.2})
 
