@@ -69,6 +69,7 @@ def test_unit_trains_to_its_budget_and_annealed(tiny):
     assert metrics["cpu_seconds_train"] >= 3.0
     assert metrics["cpu_seconds_train"] < 3.0 + 2 * metrics["cpu_seconds_per_epoch"]
     assert len(log) == metrics["epochs_run"] >= 2
+    assert metrics["epochs_run"] - 1 < metrics["epochs_trained"] <= metrics["epochs_run"]
     assert log[-1]["progress"] > 0.7  # the cosine reached (nearly) its end
     assert log[-1]["lr"] < 0.01 * 0.2
     assert set(metrics["test"]) == {"aligned", "z", "so3"}

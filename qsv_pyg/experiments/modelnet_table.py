@@ -399,7 +399,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     fixed = encode(model, train_pos, train_y) if cfg["train"] == "aligned" else None
     encode_seconds = used()
     planned_epochs: Optional[int] = None
-    step = epoch = 0
+    step = epoch = shapes_seen = 0
     prog = 0.0
     epoch_seconds: List[float] = []
     stats: Dict[str, float] = {}
@@ -436,6 +436,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
                 stopped = True
                 break
         epoch += 1
+        shapes_seen += seen
         seconds = used() - t0
         partial = seen < count - 1 and stopped
         if not partial:
@@ -469,7 +470,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
         test[protocol] = accuracy(model, encode(model, rotate(test_pos, rot), test_y))
     return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "test": test,
             "val": val, "params": count_parameters(model),
-            "epochs": len(epoch_seconds),
+            "epochs": len(epoch_seconds), "epochs_trained": shapes_seen / count,
             "epochs_run": epoch, "steps": step, "planned_epochs": planned_epochs,
             "cpu_seconds_train": train_cpu, "budget_cpu_s": budget,
             "encode_cpu_seconds": encode_seconds,
@@ -518,7 +519,7 @@ def _worker_init(threads: int) -> None:
 # ------------------------------------------------------------------ report
 CONFIG_FIELDS = {"row": str, "train": str, "seed": int, "num_classes": int,
                  "budget_cpu_s": NUMBER}
-METRICS_FIELDS = {"params": int, "cpu_seconds_per_epoch": NUMBER, "epochs_run": int,
+METRICS_FIELDS = {"params": int, "cpu_seconds_per_epoch": NUMBER, "epochs_trained": NUMBER,
                   "test": dict, "val": NUMBER}
 
 
@@ -555,7 +556,7 @@ def collect(dataset_root: Path) -> Tuple[Dict[str, Dict[str, Any]], List[dict]]:
                                            "budget": set(),
                                            "columns": {c: [] for c in COLUMNS}})
         row["time"].append(metrics["cpu_seconds_per_epoch"])
-        row["epochs"].append(metrics["epochs_run"])
+        row["epochs"].append(metrics["epochs_trained"])
         row["seeds"].add(cfg["seed"])
         row["budget"].add(cfg["budget_cpu_s"])
         row["val"].setdefault(cfg["train"], []).append(metrics["val"])
