@@ -474,8 +474,9 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             "epochs_run": epoch, "steps": step, "planned_epochs": planned_epochs,
             "cpu_seconds_train": train_cpu, "budget_cpu_s": budget,
             "encode_cpu_seconds": encode_seconds,
+            # full epochs' mean; without one, the partial epoch extrapolated
             "cpu_seconds_per_epoch": statistics.fmean(epoch_seconds) if epoch_seconds
-            else train_cpu,
+            else (train_cpu - encode_seconds) * count / max(shapes_seen, 1),
             "eval_cpu_seconds": time.process_time() - t0,
             "train_loss": stats.get("loss"), "train_acc": stats.get("acc"),
             "wall_seconds": time.time() - start_wall, "model": repr(model),
