@@ -1,0 +1,161 @@
+"""qsv_pyg.experiments.modelnet_table at a tiny size, on a synthetic
+ModelNet-style npz (two separable classes): a unit trains to its CPU budget,
+a rerun reuses it, the report builds, damaged run files are named and skipped."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qsv_pyg.experiments import modelnet_table as M
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_npz(folder: Path, shapes=48, points=40, seed=0) -> Path:
+    """Class 0: elongated clouds; class 1: flat discs (rotation-invariant cue)."""
+    g = np.random.default_rng(seed)
+    data = {}
+    for split, count in (("train", shapes), ("test", shapes // 2)):
+        y = np.arange(count) % 2
+        pos = g.normal(size=(count, points, 3))
+        pos[y == 0] *= [2.0, 0.4, 0.4]
+        pos[y == 1] *= [1.0, 1.0, 0.1]
+        data[f"pos_{split}"], data[f"y_{split}"] = pos.astype(np.float32), y
+    data["classes"] = np.array(["long", "flat"])
+    (folder / "Toy").mkdir(parents=True)
+    path = folder / "Toy" / "toy.npz"
+    np.savez(path, **data)
+    return path
+
+
+def _args(data_root, out_root, *extra):
+    return ["--data-root", str(data_root), "--dataset", "Toy", "--out-root", str(out_root),
+            "--points", "24", "--batch-size", "8", "--lr", "0.01", "--no-progress",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("mt")
+    _write_npz(root / "data")
+    out = root / "out"
+    rows = M.main(_args(root / "data", out, "--rows", "qsv-geometric", "--protocols",
+                        "aligned", "--seeds", "1", "--budget-cpu-s", "3"))
+    return root, out, rows
+
+
+def test_stratified_split_holds_out_a_tenth_of_every_class():
+    y = torch.tensor([0] * 50 + [1] * 30 + [2] * 20)
+    tr, va = M.stratified_split(y)
+    assert sorted(torch.bincount(y[va]).tolist()) == [2, 3, 5]
+    assert set(tr.tolist()).isdisjoint(va.tolist())
+    assert len(tr) + len(va) == 100
+    tr2, va2 = M.stratified_split(y)
+    assert torch.equal(va, va2)
+
+
+def test_unit_trains_to_its_budget_and_annealed(tiny):
+    root, out, rows = tiny
+    folder = out / "Toy" / "qsv-geometric" / "aligned" / "seed0"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    assert config["budget_cpu_s"] == 3 and config["n_val"] == 4 and config["n_train"] == 44
+    assert metrics["cpu_seconds_train"] >= 3.0
+    assert metrics["cpu_seconds_train"] < 3.0 + 2 * metrics["cpu_seconds_per_epoch"]
+    assert len(log) == metrics["epochs_run"] >= 2
+    assert metrics["epochs_run"] - 1 < metrics["epochs_trained"] <= metrics["epochs_run"]
+    assert log[-1]["progress"] > 0.7  # the cosine reached (nearly) its end
+    assert log[-1]["lr"] < 0.01 * 0.2
+    assert set(metrics["test"]) == {"aligned", "z", "so3"}
+    # invariant model: the three test protocols agree
+    assert len(set(metrics["test"].values())) == 1
+    assert 0.0 <= metrics["val"] <= 1.0
+
+
+def test_rerun_reuses_finished_units_and_report_files(tiny, capsys):
+    root, out, _ = tiny
+    metrics = out / "Toy" / "qsv-geometric" / "aligned" / "seed0" / "metrics.json"
+    before = metrics.stat().st_mtime_ns
+    M.main(_args(root / "data", out, "--rows", "qsv-geometric", "--protocols", "aligned",
+                 "--seeds", "1", "--budget-cpu-s", "3"))
+    assert metrics.stat().st_mtime_ns == before
+    for name in ("table.md", "table.csv", "results.json", "accuracy.png"):
+        assert (out / name).stat().st_size > 0
+    text = (out / "table.md").read_text()
+    assert "QSV-geometric" in text and "CPU-s/epoch" in text and "epochs" in text
+
+
+def test_damaged_metrics_are_named_and_skipped(tiny, tmp_path, capsys):
+    root, out, _ = tiny
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    good = copy / "Toy" / "qsv-geometric" / "aligned" / "seed0"
+    bad = copy / "Toy" / "vn-dgcnn" / "aligned" / "seed0"
+    shutil.copytree(good, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["row"] = "VN-DGCNN"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "metrics.json").write_text('{"params": 3, "test": ')  # torn
+    rows = M.main(_args(root / "data", copy, "--report-only"))
+    err = capsys.readouterr().err
+    assert str(bad / "metrics.json") in err and "left out" in err
+    assert list(rows) == ["QSV-geometric"]
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
+    for argv in (["--points", "2000"], ["--budget-cpu-s", "0"], ["--rows", "nope"],
+                 ["--protocols", "z"]):
+        with pytest.raises(SystemExit) as info:
+            M.main(["--data-root", str(tmp_path), "--out-root", str(tmp_path / "o"),
+                    *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err
+
+
+def test_so3_training_of_the_controls_runs(tmp_path):
+    """The SO3/SO3 protocol (fresh rotations every epoch) for the VN and DGCNN rows."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "VN-DGCNN,dgcnn", "--protocols",
+                        "so3", "--seeds", "1", "--budget-cpu-s", "0.5"))
+    assert list(rows) == ["VN-DGCNN", "DGCNN"]
+    for row in ("vn-dgcnn", "dgcnn"):
+        metrics = json.loads((out / "Toy" / row / "so3" / "seed0" / "metrics.json").read_text())
+        assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
+
+
+def test_every_row_builds_and_controls_match_qsv_parameters():
+    target = M._target_params(10)
+    for name in M.ROW_NAMES:
+        if M.ROWS[name][0] == "pointnet2":
+            continue  # needs torch_cluster only to run, not to build
+        n = sum(p.numel() for p in M.build_model(name, 10).parameters())
+        if M.ROWS[name][0] != "qsv":
+            assert abs(n - target) <= 0.05 * target, (name, n, target)
+    assert len([n for n in M.ROW_NAMES if M.ROWS[n][4]]) == 5  # one ablation per switch
+
+
+def test_precomputed_geometry_gives_the_models_own_logits():
+    """encode() + forward() (the transforms' graph and frames, float64) feed
+    QSVGeometric what it would compute itself."""
+    torch.manual_seed(0)
+    from qsv_pyg.nn.models import QSVGeometric
+    model = QSVGeometric(4, k=6).eval()
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randn(3, 20, 3, generator=g, dtype=torch.float64) * torch.tensor(
+        [1.0, 0.5, 0.2], dtype=torch.float64)
+    y = torch.zeros(3, dtype=torch.long)
+    idx = torch.arange(3)
+    with torch.no_grad():
+        given = M.forward(model, M.encode(model, pos, y), idx)
+        own = M.forward(model, {"pos": pos.float(), "y": y}, idx)
+    assert torch.allclose(given, own, atol=1e-5), (given - own).abs().max()
