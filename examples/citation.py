@@ -42,8 +42,15 @@ the table (``<out-root>/<dataset>/table.{md,csv,json}``) from the folders
 alone. The table covers every finished unit under ``<out-root>/<dataset>``.
 
 Data: ``<data-root>/Planetoid/<Name>/raw/ind.<name>.*`` (the files PyG
-downloads), copied once into ``--cache-root`` where ``Planetoid`` writes its
-``processed/`` folder (the data root may be read-only). Run::
+downloads), copied into ``--cache-root`` where ``Planetoid`` writes its
+``processed/`` folder (the data root may be read-only). The copy is keyed on the
+raw files' content (``<cache-root>/<Name>-<digest>/``), so another data root
+never reuses it. The raw pickles are read first with a restricted unpickler
+(``qsv_pyg.data.planetoid``: numpy arrays, scipy csr matrices, a dict of lists):
+a crafted or corrupt file exits 2 with one line, and nothing in it runs. A unit
+being trained by another process (its folder's ``run.lock``) exits 2 naming
+that process; a damaged ``metrics.json`` is named and left out of the table.
+Run::
 
     python examples/citation.py                       # Cora, 6 rows x 10 seeds
     python examples/citation.py --diagnose            # plus the diagnosis rows
@@ -71,6 +78,8 @@ import torch_geometric.transforms as T  # noqa: E402
 from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv  # noqa: E402
 
 import qsv_pyg  # noqa: E402
+from qsv_pyg.data import DataError  # noqa: E402
+from qsv_pyg.data.planetoid import PLANETOID_RAW, check_planetoid_raw  # noqa: E402
 from qsv_pyg.nn import QSVConv  # noqa: E402
 from qsv_pyg.nn.models import QSV  # noqa: E402
 from qsv_pyg.utils import cpu_name  # noqa: E402
@@ -86,7 +95,7 @@ SMALL_EPOCHS, SMALL_SEEDS = 30, 2
 
 #: Planetoid's names (PyG reads ``ind.<name lowercased>.*``).
 PLANETOID = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
-RAW_SUFFIXES = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
+RAW_SUFFIXES = PLANETOID_RAW
 
 #: Published GAT test accuracy (%) under this protocol (Veličković et al. 2018,
 #: Table 3). PubMed is left out: the paper trained it differently (8 output
@@ -234,22 +243,34 @@ def canonical_name(dataset: str) -> str:
 
 def load(data_root: Path, name: str, cache_root: Path):
     """The Planetoid graph ``name`` from ``data_root``, processed in a writable
-    copy under ``cache_root``."""
+    copy under ``cache_root`` (keyed on the raw files' content).
+
+    Every raw pickle is read first with a restricted unpickler
+    (:func:`qsv_pyg.data.planetoid.check_planetoid_raw`: numpy arrays, scipy
+    csr matrices and a dict of lists only), in the data root and again in the
+    copy that ``Planetoid`` reads: a crafted or corrupt file exits 2 (one line)
+    and nothing in it runs."""
     source = Path(data_root) / "Planetoid" / name
     raw = source / "raw"
     if not raw.is_dir():
         fail(f"{name}: no folder {raw} (check --data-root {data_root} and --dataset)")
-    missing = [f"ind.{name.lower()}.{s}" for s in RAW_SUFFIXES
-               if not (raw / f"ind.{name.lower()}.{s}").is_file()]
-    if missing:
-        fail(f"{name}: {raw} lacks {', '.join(missing)}")
+    try:
+        check_planetoid_raw(raw, name)
+    except DataError as error:
+        fail(str(error))
     from torch_geometric.datasets import Planetoid
-    cache = Path(cache_root).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
-    target = compare.writable_copy(source, cache, name)
-    dataset = Planetoid(str(target.parent), name, split="public",
-                        transform=T.NormalizeFeatures())
-    return dataset[0], dataset.num_features, dataset.num_classes
+    with compare.dataset_copy(source, cache_root, name) as root:
+        try:
+            check_planetoid_raw(root / name / "raw", name)
+            dataset = Planetoid(str(root), name, split="public",
+                                transform=T.NormalizeFeatures())
+            data = dataset[0]
+        except DataError as error:
+            fail(str(error))
+        except Exception as error:  # files PyG cannot combine: one line, not a trace
+            fail(f"{name}: Planetoid cannot read {raw} ({type(error).__name__}: "
+                 f"{' '.join(str(error).split())})")
+    return data, dataset.num_features, dataset.num_classes
 
 
 # ------------------------------------------------------------------ training
@@ -340,8 +361,13 @@ def table_rows(units: List[Tuple[Dict[str, Any], Dict[str, Any]]],
     return rows, epochs
 
 
+#: What the table reads of every unit (a unit lacking one is named and left out).
+CONFIG_FIELDS = {"row": str, "seed": int, "epochs": int, "threads": int}
+METRICS_FIELDS = {"test_acc": compare.NUMBER, "params": int, "ms_per_epoch": compare.NUMBER}
+
+
 def report(root: Path, dataset: str, models: Optional[str]) -> Tuple[str, List[Dict[str, Any]]]:
-    units = compare.read_units(root)
+    units = compare.read_units(root, CONFIG_FIELDS, METRICS_FIELDS)
     if models is not None:
         prefixes = tuple(m.strip() for m in models.split(",") if m.strip())
         units = [u for u in units if u[0]["row"].startswith(prefixes)]
@@ -385,10 +411,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     seeds = args.seeds if args.seeds is not None else (SMALL_SEEDS if args.small else SEEDS)
     if epochs < 1 or seeds < 1:
         fail(f"--epochs and --seeds must be positive (got {epochs} and {seeds})")
+    if args.threads < 1:
+        fail(f"--threads must be positive (got {args.threads})")
     out_root = args.out_root
     if args.small and out_root == Path("docs/results/citation"):
         out_root = Path("docs/results/citation-small")
     root = out_root / dataset
+    compare.check_folder(root, "--out-root")
 
     if not args.report_only:
         candidates = MAIN_ROWS + (DIAGNOSIS if args.diagnose else [])

@@ -9,13 +9,12 @@ mean ± std over seeds.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,8 +29,10 @@ from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
 
 from qsv_pyg.nn import unit_quaternion  # noqa: E402
 from qsv_pyg.nn.models import QSV  # noqa: E402
-from qsv_pyg.training.run_files import (append_jsonl, read_json, write_csv,  # noqa: E402
-                                        write_json, write_text)
+from qsv_pyg.experiments.units import (NUMBER, check_folder, dataset_copy,  # noqa: E402
+                                       fail, finished_unit, read_units, run_in_workers,
+                                       run_unit)
+from qsv_pyg.training.run_files import write_csv, write_json, write_text  # noqa: E402
 
 #: Where the real-data tables look for their data unless ``--data-root`` says
 #: otherwise: the team's shared folder beside the checkout (``../shared/data``).
@@ -237,34 +238,12 @@ def collect(results: Dict[str, dict], name: str, params: int, time_per_epoch: fl
 
 # ------------------------------------------------------------ real-data tables
 # citation.py, tu_graphs.py and modelnet.py train every unit of their table (one
-# model on one seed, fold or protocol) in its own run folder under --out-root:
-#
-#     config.json   what the unit trains (written first)
-#     log.jsonl     one JSON line per epoch
-#     metrics.json  the unit's results (written last: its presence marks the unit done)
-#
-# A rerun of the same command reuses finished units and restarts unfinished ones,
-# so a table can be built in pieces and rebuilt from committed files (--report-only).
-
-
-def fail(message: str) -> NoReturn:
-    """A user error: one line on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def finished_unit(folder: Path, config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The metrics of a finished unit in ``folder`` trained with ``config``; None if
-    the unit has not finished. A folder that holds another config is an error: its
-    results belong to a different command (use another ``--out-root``)."""
-    old = read_json(folder / "config.json")
-    if old is None:
-        return None
-    if old != config:
-        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
-        fail(f"{folder} holds a unit trained with a different configuration "
-             f"({', '.join(changed)} differ); use another --out-root or remove the folder")
-    return read_json(folder / "metrics.json")
+# model on one seed, fold or protocol) in its own run folder under --out-root
+# (config.json, log.jsonl, metrics.json; run.lock while it trains). The machinery
+# (the unit's lock, reuse and restart, --report-only's reading, the dataset
+# cache, the worker pool) is qsv_pyg.experiments.units; a rerun of the same
+# command reuses finished units and restarts unfinished ones, so a table can be
+# built in pieces and rebuilt from committed files (--report-only).
 
 
 def source_commit() -> str:
@@ -284,68 +263,25 @@ def source_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def run_unit(folder: Path, config: Dict[str, Any],
-             train: Callable[[Callable[[Dict[str, Any]], None]], Dict[str, Any]]
-             ) -> Dict[str, Any]:
-    """Train one unit in ``folder`` unless it has finished with ``config``.
-
-    ``train(log)`` trains and returns the metrics; it calls ``log(record)`` once
-    per epoch. Every file is written atomically (the log appended line by line),
-    so an interrupted unit leaves no torn file and is restarted by the next run.
-    """
-    done = finished_unit(folder, config)
-    if done is not None:
-        return done
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("log.jsonl", "metrics.json"):
-        (folder / name).unlink(missing_ok=True)
-    write_json(folder / "config.json", config)
-    metrics = train(lambda record: append_jsonl(folder / "log.jsonl", record))
-    write_json(folder / "metrics.json", metrics)
-    return metrics
-
-
-def read_units(root: Path) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
-    """``(config, metrics)`` of every finished unit under ``root``, in path order."""
-    units = []
-    for path in sorted(Path(root).rglob("metrics.json")):
-        config, metrics = read_json(path.parent / "config.json"), read_json(path)
-        if config is not None and metrics is not None:
-            units.append((config, metrics))
-    return units
-
-
 def write_table(stem: Path, columns: Sequence[str], rows: List[Dict[str, Any]],
                 title: str = "") -> str:
     """Write ``rows`` (dicts keyed by ``columns``) as ``stem.md`` (a markdown table
     under ``title``), ``stem.csv`` and ``stem.json``; returns the markdown."""
+    check_folder(stem.parent, "--out-root")
     stem.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c, "–")) for c in columns) + " |"
               for row in rows]
     text = "\n".join(lines) + "\n"
-    write_text(stem.with_suffix(".md"), text)
-    write_csv(stem.with_suffix(".csv"), columns, rows)
-    write_json(stem.with_suffix(".json"), {"title": title, "columns": list(columns),
-                                           "rows": rows})
+    try:
+        write_text(stem.with_suffix(".md"), text)
+        write_csv(stem.with_suffix(".csv"), columns, rows)
+        write_json(stem.with_suffix(".json"), {"title": title, "columns": list(columns),
+                                               "rows": rows})
+    except OSError as error:  # a read-only or full --out-root: one line
+        fail(f"cannot write the table {stem}: {error}")
     return text
-
-
-def writable_copy(source: Path, cache: Path, what: str) -> Path:
-    """A copy of the dataset folder ``source`` (read-only shared data) under
-    ``cache``, where a PyG dataset class may write its ``processed/`` folder.
-    ``what`` names the dataset in the error when ``source`` is missing."""
-    if not source.is_dir():
-        fail(f"{what}: no folder {source} (check --data-root and --dataset)")
-    target = cache / source.name
-    if not (target / "raw").is_dir():
-        tmp = cache / f".{source.name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("processed"))
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    return target
 
 
 def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> str:
@@ -369,5 +305,5 @@ def add_data_args(parser: argparse.ArgumentParser, dataset: str, out_root: str) 
 __all__ = ["QSV", "Transformer", "PoolClassifier", "train_graphs", "CONTROLS", "num_params",
            "matched_control", "seed_all", "rotation_angle", "Timer", "warm_up", "fmt", "print_table",
            "base_parser", "selected", "collect", "DEFAULT_DATA_ROOT", "fail", "finished_unit",
-           "run_unit", "read_units", "write_table", "writable_copy", "mean_std",
-           "add_data_args"]
+           "run_unit", "read_units", "write_table", "dataset_copy", "check_folder",
+           "run_in_workers", "NUMBER", "mean_std", "add_data_args"]

@@ -104,10 +104,14 @@ one session beside the Cora and TU tables, so it got 5.
 
 Every unit trains in its own run folder
 ``<out-root>/<dataset>/<row>/<aligned|so3>/seed<k>/`` (``config.json``, one
-``log.jsonl`` line per epoch, ``metrics.json``); a rerun reuses finished units,
+``log.jsonl`` line per epoch, ``metrics.json``); a rerun reuses finished units.
+``--jobs N`` stops at the first failed unit (the queued ones are cancelled); a
+unit that another process is training (its ``run.lock``) exits 2 naming it.
 ``--report-only`` rebuilds ``<out-root>/table.{md,csv,json}``,
 ``<out-root>/accuracy.png`` and ``<out-root>/published_modelnet40.md`` from the
-folders. Run::
+folders (a damaged ``metrics.json`` is named and left out). A shape with
+repeated points gets its kNN graph from ``qsv_pyg.geometry.knn_within``
+(:func:`knn_table`). Run::
 
     python examples/modelnet.py --jobs 2             # the full table (~1.0 h on 2 cores)
     python examples/modelnet.py --small --out-root /tmp/mn   # a smoke test
@@ -117,11 +121,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -129,14 +131,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compare import (PoolClassifier, QSV, Timer, add_data_args, fail, finished_unit,
-                     matched_control, mean_std, num_params, read_units, run_unit,
-                     seed_all, selected, warm_up, write_table)
+from compare import (NUMBER, PoolClassifier, QSV, Timer, add_data_args, check_folder, fail,
+                     finished_unit, matched_control, mean_std, num_params, read_units,
+                     run_in_workers, run_unit, seed_all, selected, warm_up, write_table)
 from torch_cluster import fps, knn_graph, radius
 from torch_geometric.data import Data
 from torch_geometric.nn import MLP, EdgeConv, PointNetConv, global_max_pool
 
 from qsv_pyg.geometry import local_frames, matrix_to_quaternion
+from qsv_pyg.geometry.knn import knn_within
 from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
 from qsv_pyg.training.run_files import atomic_write
 from qsv_pyg.utils import cpu_name
@@ -309,14 +312,44 @@ def tie_break(frames: Tensor, pos: Tensor, edge_index: Tensor, tol: float = 1e-9
 NEEDS = ("points", "graph", "frames")
 
 
+def knn_table(pos: Tensor, k: int) -> Tensor:
+    """The ``k`` nearest other points of every point of shapes ``pos [S, P, 3]``,
+    as ``[S, P, k]`` indices within the shape.
+
+    ``torch_cluster.knn_graph`` (sorted by target) where it returns exactly ``k``
+    sources per target; a shape with repeated points, where it can return
+    ``k + 1``, takes :func:`qsv_pyg.geometry.knn_within` (exactly ``k``, nearest
+    first, ties to the smaller index) instead."""
+    b, n = pos.shape[:2]
+    flat = pos.reshape(-1, 3)
+    batch = torch.arange(b).repeat_interleave(n)
+    src, dst = knn_graph(flat, k=k, batch=batch, loop=False)
+    order = torch.sort(dst, stable=True).indices
+    src, dst = src[order], dst[order]
+    counts = torch.bincount(dst, minlength=b * n).view(b, n)
+    regular = (counts == k).all(1)
+    if bool(regular.all()):
+        return (src - batch[src] * n).view(b, n, k)
+    ends = counts.sum(1).cumsum(0)
+    nbr = torch.empty(b, n, k, dtype=torch.long)
+    for s in range(b):
+        if regular[s]:
+            start = int(ends[s]) - n * k
+            nbr[s] = (src[start:int(ends[s])] - s * n).view(n, k)
+        else:
+            nbr[s] = knn_within(pos[s], k, loop=False)[0].view(n, k)
+    return nbr
+
+
 def encode(pos: Tensor, y: Tensor, k: int, need: str = "frames",
            frames: str = "pca+centroid", chunk: int = 128) -> Dict[str, Tensor]:
     """Graphs and inputs of shapes ``pos [S, P, 3]`` (centred, float64).
 
     ``need``: ``"points"`` (coordinates only: DGCNN, PointNet++), ``"graph"``
     (plus the kNN graph and ``xyz`` inputs) or ``"frames"`` (plus the frames'
-    quaternions and ``local`` inputs). The kNN graph has exactly ``k`` sources per
-    target and is stored as ``nbr [S, P, k]`` (the sources' indices in the shape);
+    quaternions and ``local`` inputs). The kNN graph (:func:`knn_table`) has exactly
+    ``k`` sources per target, also where a shape repeats a point, and is stored as
+    ``nbr [S, P, k]`` (the sources' indices in the shape);
     inputs as in :func:`point_clouds.encode`: ``x_xyz = (|p|, p)``,
     ``x_local = (|p|, R_i^T p)``, ``quat`` of ``R_i``.
     """
@@ -332,16 +365,10 @@ def encode(pos: Tensor, y: Tensor, k: int, need: str = "frames",
         p = pos[start:start + chunk]
         b = p.size(0)
         flat = p.reshape(-1, 3)
-        batch = torch.arange(b).repeat_interleave(n)
-        edge_index = knn_graph(flat, k=k, batch=batch, loop=False)
-        src, dst = edge_index
-        if not torch.equal(dst, torch.arange(b * n).repeat_interleave(k)):
-            order = torch.sort(dst, stable=True).indices
-            src, dst = src[order], dst[order]
-            if not torch.equal(dst, torch.arange(b * n).repeat_interleave(k)):
-                raise RuntimeError("knn_graph did not return k sources per target")
-            edge_index = torch.stack([src, dst])
-        parts["nbr"].append((src - batch[src] * n).view(b, n, k).to(nbr_dtype))
+        nbr = knn_table(p, k)
+        edge_index = torch.stack([(nbr + (torch.arange(b) * n).view(b, 1, 1)).reshape(-1),
+                                  torch.arange(b * n).repeat_interleave(k)])
+        parts["nbr"].append(nbr.to(nbr_dtype))
         radius_ = flat.norm(dim=1, keepdim=True)
         parts["x_xyz"].append(torch.cat([radius_, flat], 1).view(b, n, 4).float())
         if need == "frames":
@@ -654,13 +681,31 @@ def _worker_init(threads: int) -> None:
 
 
 # ------------------------------------------------------------------ report
+#: What the report reads of every unit (a unit lacking one is named and left out).
+CONFIG_FIELDS = {"row": str, "train": str, "seed": int, "epochs": int, "num_classes": int}
+METRICS_FIELDS = {"params": int, "time_per_epoch": NUMBER, "test": dict}
+
+
+def _unit_problem(cfg: Dict[str, Any], metrics: Dict[str, Any]) -> Optional[str]:
+    if cfg["train"] not in TESTS:
+        return f"unknown train protocol {cfg['train']!r} in its config.json"
+    if cfg["num_classes"] < 1:
+        return f"num_classes {cfg['num_classes']} in its config.json"
+    for protocol, acc in metrics["test"].items():
+        if protocol not in LABEL:
+            return f"field 'test' holds an unknown protocol {protocol!r}"
+        if isinstance(acc, bool) or not isinstance(acc, (int, float)):
+            return f"field 'test.{protocol}' is not a number ({type(acc).__name__})"
+    return None
+
+
 def collect_rows(dataset_root: Path) -> Tuple[Dict[str, Dict[str, Any]], List[dict]]:
     """Per row: params, accuracies per column (one value per seed), CPU s/epoch."""
     rows: Dict[str, Dict[str, Any]] = {}
     configs = []
-    for cfg, metrics in read_units(dataset_root):
-        if "row" not in cfg or "train" not in cfg:
-            continue
+    for cfg, metrics in read_units(dataset_root, CONFIG_FIELDS, METRICS_FIELDS,
+                                   keep=lambda c: "row" in c and "train" in c,
+                                   check=_unit_problem):
         configs.append(cfg)
         row = rows.setdefault(cfg["row"], {"params": metrics["params"], "time": [],
                                            "columns": {c: [] for c in COLUMNS},
@@ -808,6 +853,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     unknown = [p for p in protocols if p not in TESTS]
     if unknown or not protocols:
         fail(f"--protocols {args.protocols!r}: choose from {', '.join(TESTS)}")
+    check_folder(args.out_root, "--out-root")
     if args.report_only:
         return report(args.out_root, args.dataset)
     path = find_npz(args.data_root, args.dataset, args.npz)
@@ -839,15 +885,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
             run_job(folder, cfg, str(path), args.threads, not args.no_progress)
             bar.update()
     else:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(args.jobs, len(todo)), mp_context=context,
-                                 initializer=_worker_init,
-                                 initargs=(args.threads,)) as pool:
-            futures = [pool.submit(run_job, folder, cfg, str(path), args.threads)
-                       for folder, cfg in todo]
-            for future in as_completed(futures):
-                future.result()
-                bar.update()
+        # The first failed unit (or ^C) cancels the queued ones.
+        run_in_workers(run_job, [(folder, cfg, str(path), args.threads) for folder, cfg in todo],
+                       args.jobs, _worker_init, (args.threads,),
+                       lambda _index, _result: bar.update())
     bar.close()
     return report(args.out_root, args.dataset)
 

@@ -30,8 +30,9 @@ of ``n_c / K`` graphs of every class ``c``; the validation part takes
 ``<out-root>/<DATASET>/splits.json`` (train/val/test indices per fold), which a
 rerun reuses (a file that does not fit the data or ``--folds`` is an error).
 
-Data and features (``<data-root>/TUDataset/<NAME>/raw/``, copied once into
-``--cache-root`` where ``TUDataset`` writes ``processed/``; the data root is
+Data and features (``<data-root>/TUDataset/<NAME>/raw/``, copied into
+``--cache-root`` where ``TUDataset`` writes ``processed/``, keyed on the raw
+files' content so another data root never reuses the copy; the data root is
 read-only). Node features are the one-hot node labels (TUDataset's default),
 as Errica et al. use for the chemical sets; **ENZYMES** also gets its 18
 continuous node attributes (``use_node_attr=True``: 21 features), as Errica et
@@ -112,7 +113,11 @@ accuracy, the parameters, the time per epoch, the CPU and the versions; see
 fold before the next fold, so an interrupted table holds whole folds (paired
 across rows); a rerun of the same command reuses the finished units and
 restarts the unfinished ones; ``--jobs N`` trains N units at a time in worker
-processes. The tables (rebuilt from the folders, also by ``--report-only``):
+processes (a failed unit cancels the queued ones). A unit that another process
+is training (its folder's ``run.lock``) exits 2 naming that process; a damaged
+``metrics.json`` is named and left out of the tables. ``--folds`` may not exceed
+the graphs of the smallest class (a test fold would lack it). The tables
+(rebuilt from the folders, also by ``--report-only``):
 ``<out-root>/table.{md,csv,json}`` (test accuracy per model and dataset, with
 the published numbers beside ours), ``<out-root>/costs.*`` (parameters and
 CPU ms per epoch) and ``<out-root>/<DATASET>/table.*`` (per dataset). Run::
@@ -144,8 +149,6 @@ import json
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -304,22 +307,22 @@ def node_features(labels: int, attrs: int, max_degree: Optional[int]) -> str:
 
 def prepare_dataset(name: str, data_root: Path, cache_root: Path,
                     attribute_sets: Sequence[str]) -> Dict[str, Any]:
-    """Copy the set into the cache, let ``TUDataset`` process it there, and
-    describe it: what a worker needs to load it, its labels and features."""
+    """Copy the set into the cache (``compare.dataset_copy``: keyed on the raw
+    files' content), let ``TUDataset`` process it there, and describe it: what a
+    worker needs to load it, its labels and features."""
     from torch_geometric.datasets import TUDataset
     source = Path(data_root) / "TUDataset" / name
     if not (source / "raw").is_dir():
         fail(f"{name}: no folder {source / 'raw'} (check --data-root {data_root} "
              f"and --dataset)")
-    cache = Path(cache_root).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
-    compare.writable_copy(source, cache, name)
     use_attr = name in attribute_sets
-    try:
-        dataset = TUDataset(str(cache), name, use_node_attr=use_attr)
-    except Exception as error:  # a malformed raw folder: one line, not a trace
-        fail(f"{name}: TUDataset cannot read {source / 'raw'} ({type(error).__name__}: "
-             f"{error})")
+    # A copy keyed on the raw files' content: another --data-root never reuses it.
+    with compare.dataset_copy(source, cache_root, name) as cache:
+        try:
+            dataset = TUDataset(str(cache), name, use_node_attr=use_attr)
+        except Exception as error:  # a malformed raw folder: one line, not a trace
+            fail(f"{name}: TUDataset cannot read {source / 'raw'} ({type(error).__name__}: "
+                 f"{error})")
     y = dataset._data.y.view(-1)
     max_degree = None
     if dataset.num_node_features == 0:
@@ -409,6 +412,11 @@ def load_or_make_splits(path: Path, spec: Dict[str, Any], folds: int
                  f"use another --out-root or remove it")
         return [{k: fold[k] for k in ("train", "val", "test")} for fold in saved["splits"]]
     splits = make_splits(spec["labels"], folds)
+    for k, split in enumerate(splits):  # checked before anything is saved
+        empty = [part for part in ("train", "val", "test") if not split[part]]
+        if empty:
+            fail(f"{spec['name']} has too few graphs for --folds {folds}: fold {k}'s "
+                 f"{' and '.join(empty)} part would be empty")
     counts = np.bincount(np.asarray(spec["labels"])).tolist()
     header = {
         "dataset": spec["name"], "num_graphs": spec["num_graphs"], "folds": folds,
@@ -424,6 +432,22 @@ def load_or_make_splits(path: Path, spec: Dict[str, Any], folds: int
     write_text(path, "{\n" + "\n".join(lines) + '\n  "splits": [\n' + folds_text
                + "\n  ]\n}\n")
     return splits
+
+
+def check_folds(spec: Dict[str, Any], folds: int) -> None:
+    """Exit 2 (one line) unless ``folds`` stratified folds of the set ``spec`` each
+    get a test part holding every class: at most as many folds as graphs of the
+    smallest class (more would leave test folds without it, or empty)."""
+    counts = np.bincount(np.asarray(spec["labels"], dtype=np.int64))
+    present = [(int(n), c) for c, n in enumerate(counts) if n > 0]
+    smallest, label = min(present)
+    if folds > spec["num_graphs"]:
+        fail(f"--folds {folds} is more than the {spec['num_graphs']} graphs of "
+             f"{spec['name']}: some test folds would be empty")
+    if folds > smallest:
+        fail(f"--folds {folds} is more than the {smallest} graphs of {spec['name']}'s "
+             f"smallest class ({label}): some stratified test folds would lack it "
+             f"(use at most --folds {smallest})")
 
 
 def split_digest(split: Dict[str, List[int]]) -> str:
@@ -586,11 +610,23 @@ def settings_text(configs: List[Dict[str, Any]]) -> str:
             f"{'/'.join(values['lr'])}, batch {'/'.join(values['batch_size'])}")
 
 
+#: What the tables read of every unit (a unit lacking one is named and left out).
+CONFIG_FIELDS: Dict[str, Any] = {
+    "dataset": str, "model": str, "fold": int, "folds": int, "num_graphs": int,
+    "num_classes": int, "features": str, "hp": dict,
+    **{f"hp.{k}": None for k in ("epochs", "patience", "hidden", "layers", "heads",
+                                 "dropout", "lr", "batch_size", "readout")}}
+METRICS_FIELDS: Dict[str, Any] = {
+    "test_acc": compare.NUMBER, "val_acc": compare.NUMBER, "params": int,
+    "ms_per_epoch": compare.NUMBER, "selected_epoch": compare.NUMBER,
+    "epochs_run": compare.NUMBER, "cpu_seconds": compare.NUMBER}
+
+
 def report(out_root: Path) -> str:
     """Write every table from the finished units under ``out_root``; the overall
     table's markdown."""
-    units = [(c, m) for c, m in compare.read_units(out_root)
-             if c.get("script") == "tu_graphs.py"]
+    units = compare.read_units(out_root, CONFIG_FIELDS, METRICS_FIELDS,
+                               keep=lambda c: c.get("script") == "tu_graphs.py")
     if not units:
         fail(f"no finished units under {out_root}")
     groups: Dict[Tuple[str, str], List[Tuple[Dict[str, Any], Dict[str, Any]]]] = {}
@@ -713,6 +749,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     out_root = Path(args.out_root)
     if args.small and out_root == Path("docs/results/tu"):
         out_root = Path("docs/results/tu-small")  # never mixed with the full table
+    compare.check_folder(out_root, "--out-root")
     if args.report_only:
         text = report(out_root)
         print(text)
@@ -741,6 +778,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     # Every set is checked and prepared before anything trains.
     specs = [prepare_dataset(name, args.data_root, args.cache_root, attribute_sets)
              for name in datasets]
+    for spec in specs:
+        check_folds(spec, args.folds)
     splits = {spec["name"]: load_or_make_splits(out_root / spec["name"] / "splits.json",
                                                 spec, args.folds) for spec in specs}
     data = {spec["name"]: {k: v for k, v in spec.items() if k != "labels"} for spec in specs}
@@ -775,20 +814,14 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             run_task(task)
             bar.update()
     else:
-        context = get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(args.jobs, len(tasks)), mp_context=context,
-                                 initializer=init_worker, initargs=(args.threads,)) as pool:
-            futures = {pool.submit(run_task, task): task for task in tasks}
-            try:
-                for future in as_completed(futures):
-                    task = futures[future]
-                    future.result()
-                    bar.set_postfix_str(f"{task['data']['name']} fold {task['fold']} "
-                                        f"{task['row']}")
-                    bar.update()
-            except BaseException:  # a failed unit (or ^C) stops the queued ones
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        def done(index: int, _metrics: Dict[str, Any]) -> None:
+            task = tasks[index]
+            bar.set_postfix_str(f"{task['data']['name']} fold {task['fold']} {task['row']}")
+            bar.update()
+
+        # The first failed unit (or ^C) cancels the queued ones.
+        compare.run_in_workers(run_task, [(task,) for task in tasks], args.jobs,
+                               init_worker, (args.threads,), done)
     bar.close()
     text = report(out_root)
     print(text)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,8 +79,10 @@ def test_trains_above_chance_and_leaves_the_shared_folder_alone(trained):
     assert set(acc) == {"GATConv", "QSVConv recipe"}
     assert acc["GATConv"] > 0.5 and acc["QSVConv recipe"] > 0.5, acc
     assert listing(trained["root"] / "Planetoid") == trained["before"]
-    # The copy was processed in the cache, not in the shared folder.
-    assert (trained["tmp"] / "cache" / "Cora" / "processed").is_dir()
+    # The copy was processed in the cache (keyed on the raw files' content), not in
+    # the shared folder.
+    copies = list((trained["tmp"] / "cache").glob("Cora-*"))
+    assert len(copies) == 1 and (copies[0] / "Cora" / "processed").is_dir()
     out = trained["tmp"] / "out" / "Cora"
     for stem in ("table.md", "table.csv", "table.json"):
         assert (out / stem).is_file()
@@ -179,6 +183,108 @@ def test_any_planetoid_name_laid_out_the_same_way_runs(citation, tmp_path):
     assert [r["row"] for r in rows] == ["GATConv"]
     assert rows[0]["published"] == "72.5 ± 0.7"
     assert (tmp_path / "out" / "CiteSeer" / "gatconv" / "seed0" / "metrics.json").is_file()
+
+
+def _cora_copy(tmp_path: Path, name: str = "data") -> Path:
+    root = cora_or_skip()
+    raw = tmp_path / name / "Planetoid" / "Cora" / "raw"
+    shutil.copytree(root / "Planetoid" / "Cora" / "raw", raw)
+    return raw
+
+
+def _one_line_exit_2(capsys, call, *args) -> str:
+    with pytest.raises(SystemExit) as info:
+        call(*args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_another_data_root_with_the_same_cache_gets_its_own_data(citation, tmp_path):
+    """The cache is keyed on the raw files' content: a second --data-root holding
+    other labels under the same name trains on its own labels."""
+    _cora_copy(tmp_path, "a")
+    raw_b = _cora_copy(tmp_path, "b")
+    for suffix in ("y", "ty", "ally"):  # every label moved to the next class
+        path = raw_b / f"ind.cora.{suffix}"
+        with open(path, "rb") as f:
+            labels = pickle.load(f, encoding="latin1")
+        path.write_bytes(pickle.dumps(np.roll(labels, 1, axis=1), protocol=2))
+    cache = tmp_path / "cache"
+    data_a, *_ = citation.load(tmp_path / "a", "Cora", cache)
+    data_b, *_ = citation.load(tmp_path / "b", "Cora", cache)
+    assert torch.equal(data_b.y, (data_a.y + 1) % 7)
+    assert torch.equal(citation.load(tmp_path / "a", "Cora", cache)[0].y, data_a.y)
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling it creates the marker file
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_crafted_raw_file_exits_2_and_runs_nothing(citation, tmp_path, capsys):
+    raw = _cora_copy(tmp_path)
+    marker = tmp_path / "marker"
+    (raw / "ind.cora.x").write_bytes(pickle.dumps(_Payload(marker), protocol=2))
+    argv = ["--data-root", str(tmp_path / "data"), "--cache-root", str(tmp_path / "cache"),
+            "--out-root", str(tmp_path / "out"), "--models", "GATConv", "--seeds", "1",
+            "--epochs", "1", "--no-progress"]
+    err = _one_line_exit_2(capsys, citation.main, argv)
+    assert not marker.exists(), "the pickled payload ran"
+    assert "ind.cora.x" in err and "refusing to load global" in err
+    # A corrupt (torn) file: one line too.
+    good = (cora_or_skip() / "Planetoid" / "Cora" / "raw" / "ind.cora.graph").read_bytes()
+    shutil.copy(cora_or_skip() / "Planetoid" / "Cora" / "raw" / "ind.cora.x", raw)
+    (raw / "ind.cora.graph").write_bytes(good[:1000])
+    err = _one_line_exit_2(capsys, citation.main, argv)
+    assert "ind.cora.graph" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out, cache, extra, needles", [
+    ("file/out", "c", [], ("--out-root", "file")),         # --out-root under a file
+    ("out", "file", [], ("--cache-root", "is a file")),   # --cache-root a file
+    ("out", "c", ["--threads", "0"], ("--threads",)),
+])
+def test_unusable_folders_and_threads_exit_2(citation, tmp_path, capsys, out, cache, extra,
+                                             needles):
+    root = cora_or_skip()
+    (tmp_path / "file").write_text("not a folder")
+    err = _one_line_exit_2(capsys, citation.main, [
+        "--data-root", str(root), "--models", "GATConv", "--seeds", "1", "--epochs", "1",
+        "--no-progress", "--out-root", str(tmp_path / out),
+        "--cache-root", str(tmp_path / cache), *extra])
+    assert all(needle in err for needle in needles), err
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_unit(root: Path, row: str, seed: int, metrics) -> Path:
+    folder = root / row.lower().replace(" ", "_") / f"seed{seed}"
+    folder.mkdir(parents=True)
+    config = {"script": "citation.py", "row": row, "seed": seed, "epochs": 3, "threads": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+def test_report_only_names_damaged_units_and_leaves_them_out(citation, tmp_path, capsys):
+    root = tmp_path / "out" / "Cora"
+    good = {"test_acc": 0.8, "params": 100, "ms_per_epoch": 2.0}
+    _fake_unit(root, "GATConv", 0, good)
+    lacking = _fake_unit(root, "GATConv", 1, {k: v for k, v in good.items()
+                                             if k != "test_acc"})
+    listed = _fake_unit(root, "QSV model", 0, [good])
+    rows = citation.main(["--report-only", "--out-root", str(tmp_path / "out")])
+    assert [(r["row"], r["seeds"]) for r in rows] == [("GATConv", 1)]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    text = "\n".join(err)
+    assert str(lacking / "metrics.json") in text and "'test_acc'" in text
+    assert str(listed / "metrics.json") in text and "not a JSON object" in text
 
 
 def test_rows(citation):

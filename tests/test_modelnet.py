@@ -215,6 +215,109 @@ def test_any_modelnet_style_npz_runs(modelnet, tmp_path):
         assert all(len(row["columns"][c]) == 1 for c in row["columns"])
 
 
+def _blobs(folder: Path, shapes: int = 24, points: int = 80, repeat: bool = False) -> Path:
+    """A made-up 3-class ModelNet-style npz; ``repeat``: every point twice."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+
+    def pos(count):
+        p = rng.normal(size=(count, points, 3)) * [1, 2, 3]
+        if repeat:
+            p[:, points // 2:] = p[:, :points // 2]
+        return p.astype("f4")
+
+    np.savez(folder / "blobs.npz", pos_train=pos(shapes), y_train=np.arange(shapes) % 3,
+             pos_test=pos(9), y_test=np.arange(9) % 3)
+    return folder
+
+
+def test_repeated_points_get_exactly_k_nearest_neighbours(modelnet, tmp_path):
+    """torch_cluster.knn_graph can return k + 1 sources for a repeated point; the
+    graph still has exactly k, the nearest other points (today's main raised
+    "knn_graph did not return k sources per target")."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randn(3, 40, 3, generator=g, dtype=torch.float64)
+    pos[:, 20:] = pos[:, :20]  # every point twice
+    pos[1] = torch.randn(40, 3, generator=g, dtype=torch.float64)  # one shape without
+    k = 6
+    shapes = modelnet.encode(pos, torch.zeros(3, dtype=torch.long), k)
+    nbr = shapes["nbr"].long()
+    assert nbr.shape == (3, 40, k)
+    for s in range(3):
+        dist = torch.cdist(pos[s], pos[s])
+        dist.fill_diagonal_(float("inf"))
+        assert bool((nbr[s] != torch.arange(40)[:, None]).all())  # no self
+        kth = dist.sort(dim=1).values[:, k - 1]
+        chosen = dist.gather(1, nbr[s])
+        assert bool((chosen <= kth[:, None] + 1e-12).all())  # the k nearest
+    assert torch.isfinite(shapes["quat"]).all() and torch.isfinite(shapes["x_local"]).all()
+    # The whole script on such data: trains, no traceback.
+    _blobs(tmp_path / "Dups", repeat=True)
+    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Dups",
+                          "--out-root", str(tmp_path / "out"), "--models", "QSV-geometric",
+                          "--protocols", "aligned", "--points", "64", "--k", "8",
+                          "--epochs", "1", "--no-progress"])
+    assert list(rows) == ["QSV-geometric"]
+
+
+def test_a_failed_unit_cancels_the_queued_ones(modelnet, tmp_path, capfd):
+    """--jobs 2: the first unit (longest first: GAT local) cannot create its
+    folder; the run ends at once with exit 2 instead of training the queue first."""
+    _blobs(tmp_path / "Blobs")
+    out = tmp_path / "out"
+    blocked = out / "Blobs" / "gat-local" / "aligned" / "seed0"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("a file where the unit's folder belongs")
+    with pytest.raises(SystemExit) as exc:
+        modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+                       "--out-root", str(out), "--protocols", "aligned", "--points", "64",
+                       "--epochs", "1", "--jobs", "2", "--no-progress"])
+    assert exc.value.code == 2
+    assert str(blocked) in capfd.readouterr().err
+    started = [p for p in (out / "Blobs").glob("*/aligned/seed0") if p.is_dir()]
+    finished = [p for p in started if (p / "metrics.json").is_file()]
+    # 8 units; with two workers at most the few already handed to a worker run.
+    assert len(finished) <= 4 and len(started) <= 5, sorted(map(str, started))
+
+
+def test_unusable_out_root_exits_2(modelnet, tmp_path, capsys):
+    _blobs(tmp_path / "Blobs")
+    (tmp_path / "file").write_text("not a folder")
+    for extra in ([], ["--report-only"]):
+        _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Blobs",
+                                  "--out-root", str(tmp_path / "file" / "out"),
+                                  "--models", "QSV xyz", "--points", "64", "--epochs", "1",
+                                  "--no-progress", *extra], "--out-root")
+
+
+def test_report_only_names_damaged_units_and_leaves_them_out(modelnet, tmp_path, capsys):
+    import json
+    root = tmp_path / "out" / "ModelNet10"
+
+    def unit(row, train, seed, metrics):
+        folder = root / modelnet.slug(row) / train / f"seed{seed}"
+        folder.mkdir(parents=True)
+        cfg = {"row": row, "train": train, "seed": seed, "epochs": 1, "num_classes": 10}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        return folder / "metrics.json"
+
+    good = {"params": 10, "time_per_epoch": 1.0, "test": {"aligned": 0.5, "z": 0.4,
+                                                           "so3": 0.3}}
+    unit("QSV xyz", "aligned", 0, good)
+    listed = unit("QSV xyz", "aligned", 1, [good])
+    lacking = unit("GAT xyz", "aligned", 0, {k: v for k, v in good.items() if k != "params"})
+    wrong = unit("DGCNN", "aligned", 0, {**good, "test": {"aligned": "high"}})
+    rows = modelnet.main(["--out-root", str(tmp_path / "out"), "--report-only"])
+    assert list(rows) == ["QSV xyz"] and rows["QSV xyz"]["seeds"] == {0}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3, err
+    joined = "\n".join(err)
+    assert str(listed) in joined and "not a JSON object" in joined
+    assert str(lacking) in joined and "'params'" in joined
+    assert str(wrong) in joined and "test.aligned" in joined
+
+
 def test_cli_missing_folder_exits_2(tmp_path):
     pytest.importorskip("torch_cluster")
     proc = subprocess.run([sys.executable, str(EXAMPLES / "modelnet.py"), "--data-root",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -15,7 +17,9 @@ import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"  # compare.DEFAULT_DATA_ROOT
+#: $QSV_PYG_DATA (as tests/test_citation.py), else compare.DEFAULT_DATA_ROOT.
+DATA_ROOT = Path(os.environ.get("QSV_PYG_DATA")
+                 or Path(__file__).resolve().parents[2] / "shared" / "data")
 TU = DATA_ROOT / "TUDataset"
 
 pytestmark = [
@@ -45,6 +49,15 @@ def tu():
         yield module
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_data_root(tu):
+    """The scripts' default --data-root is DATA_ROOT (also where $QSV_PYG_DATA
+    names another folder than compare.DEFAULT_DATA_ROOT)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tu.compare, "DEFAULT_DATA_ROOT", DATA_ROOT)
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -314,6 +327,117 @@ def test_report_only_without_units_exits_2(tu, tmp_path, capsys):
         tu.main(["--report-only", "--out-root", str(tmp_path)])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _exit_2(tu, capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("folds, needle", [
+    ("189", "more than the 188 graphs of MUTAG"),
+    ("64", "more than the 63 graphs of MUTAG's smallest class"),
+])
+def test_more_folds_than_graphs_of_a_class_exits_2(tu, tmp_path, cache, capsys, folds,
+                                                   needle):
+    """Folds beyond the smallest class (or the set) would leave test folds without
+    that class or empty; an empty one scored 0.0 into the table's mean."""
+    err = _exit_2(tu, capsys, ["--dataset", "MUTAG", "--folds", folds, "--max-folds", "1",
+                               "--epochs", "1", "--models", "MLP", "--no-progress",
+                               "--out-root", str(tmp_path / "out"),
+                               "--cache-root", str(cache)])
+    assert needle in err and "--folds" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_splits_with_an_empty_part_are_refused_before_they_are_saved(tu, tmp_path,
+                                                                     capsys):
+    """2 graphs per class in 2 folds: no graph is left for validation (10% of 1)."""
+    spec = {"name": "TINY", "num_graphs": 4, "labels": [0, 0, 1, 1]}
+    path = tmp_path / "TINY" / "splits.json"
+    with pytest.raises(SystemExit) as exit_info:
+        tu.load_or_make_splits(path, spec, 2)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "val part would be empty" in err[0] and "--folds 2" in err[0]
+    assert not path.exists()
+
+
+def test_another_data_root_with_the_same_cache_gets_its_own_data(tu, tmp_path, cache):
+    """The cache is keyed on the raw files' content: MUTAG with flipped graph labels
+    under another data root is not served the first root's copy."""
+    for name in ("a", "b"):
+        shutil.copytree(TU / "MUTAG" / "raw", tmp_path / name / "TUDataset" / "MUTAG" / "raw")
+    labels = tmp_path / "b" / "TUDataset" / "MUTAG" / "raw" / "MUTAG_graph_labels.txt"
+    flipped = [str(-int(v)) for v in labels.read_text().split()]
+    labels.write_text("\n".join(flipped) + "\n")
+    spec_a = tu.prepare_dataset("MUTAG", tmp_path / "a", tmp_path / "cache", ())
+    spec_b = tu.prepare_dataset("MUTAG", tmp_path / "b", tmp_path / "cache", ())
+    assert spec_b["labels"] == [1 - y for y in spec_a["labels"]]
+    assert spec_a["cache"] != spec_b["cache"]
+    assert [int(g.y) for g in tu.load_graphs(spec_b)] == spec_b["labels"]
+
+
+def test_a_unit_of_a_live_run_is_not_trained_twice(tu, tmp_path, cache, capsys):
+    """A second process on the same --out-root exits 2 naming the holder of the
+    unit's lock and leaves the live unit's files alone."""
+    from qsv_pyg.training.run_lock import RunLock
+    out = tmp_path / "out"
+    run = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "2", "--patience", "2",
+           "--models", "MLP", "--no-progress", "--out-root", str(out),
+           "--cache-root", str(cache)]
+    tu.main(run)
+    folder = out / "MUTAG" / "mlp-sum" / "fold0"
+    (folder / "metrics.json").unlink()  # as if the live run were still training it
+    (folder / "log.jsonl").write_text('{"epoch": 1}\n')
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with RunLock(folder):
+        err = _exit_2(tu, capsys, run)
+        assert f"pid {os.getpid()}" in err and str(folder) in err
+        assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "run.lock"} \
+            == before
+
+
+@pytest.mark.parametrize("out, cache_root, report_only, needles", [
+    ("file/out", None, False, ("--out-root", "file")),     # --out-root under a file
+    ("out", "file", False, ("--cache-root", "is a file")),  # --cache-root a file
+    ("file", None, True, ("--out-root", "is a file")),
+])
+def test_unusable_out_root_and_cache_root_exit_2(tu, tmp_path, cache, capsys, out,
+                                                 cache_root, report_only, needles):
+    (tmp_path / "file").write_text("not a folder")
+    argv = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "1", "--models", "MLP",
+            "--no-progress", "--out-root", str(tmp_path / out),
+            "--cache-root", str(tmp_path / cache_root if cache_root else cache)]
+    err = _exit_2(tu, capsys, argv + (["--report-only"] if report_only else []))
+    assert all(needle in err for needle in needles), err
+
+
+def test_report_only_names_damaged_units_and_leaves_them_out(tu, mutag, tmp_path, capsys):
+    out, _, _ = mutag
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    lacking = copy / "MUTAG" / "qsv" / "fold1" / "metrics.json"
+    metrics = json.loads(lacking.read_text())
+    del metrics["test_acc"]
+    lacking.write_text(json.dumps(metrics))
+    listed = copy / "MUTAG" / "gin" / "fold0" / "metrics.json"
+    listed.write_text(json.dumps([metrics]))
+    capsys.readouterr()
+    text = tu.main(["--report-only", "--out-root", str(copy)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    joined = "\n".join(err)
+    assert str(lacking) in joined and "'test_acc'" in joined
+    assert str(listed) in joined and "not a JSON object" in joined
+    table = json.loads((copy / "MUTAG" / "table.json").read_text())
+    folds = {row["model"]: row["folds"] for row in table["rows"]}
+    assert folds == {"QSV": "1/10", "GIN": "1/10", tu.BASELINE: "2/10"}
+    assert "| QSV |" in text
 
 
 def test_bench_tu_times_rows_side_by_side(tu, cache, tmp_path, capsys):

@@ -83,7 +83,8 @@ def read_pickle(path: Path, expected: str) -> Any:
     return obj
 
 
-def _check_expansion(obj: Any, budget: int, path: Path, expected: str) -> None:
+def _check_expansion(obj: Any, budget: int, path: Path, expected: str,
+                     advice: str = "Delete it and re-download (--download).") -> None:
     """Refuse ``obj`` if its lists, tuples and dicts, walked as trees, exceed ``budget`` items.
 
     A shared list is counted once per reference, as numpy would copy it; the walk
@@ -98,6 +99,5 @@ def _check_expansion(obj: Any, budget: int, path: Path, expected: str) -> None:
         if items > budget:
             raise DataError(
                 f"{path}: expected {expected}; its lists expand to more than {budget:,} items "
-                "through shared references (a crafted file?). Delete it and re-download "
-                "(--download).")
+                f"through shared references (a crafted file?). {advice}")
         stack.extend(item.values() if isinstance(item, dict) else item)

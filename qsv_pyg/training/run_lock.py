@@ -41,6 +41,8 @@ class RunLock:
 
     Args:
         folder: the run folder (must exist).
+        flag: the option that chose the folder, named in the error when it is
+            busy (the example scripts pass ``"--out-root"``).
 
     Example::
 
@@ -48,8 +50,9 @@ class RunLock:
             ...  # train; a second RunLock(out_dir) raises RunFolderError meanwhile
     """
 
-    def __init__(self, folder: PathLike):
+    def __init__(self, folder: PathLike, flag: str = "--out-dir"):
         self.folder = Path(folder)
+        self.flag = flag
         self.path = self.folder / LOCK_NAME
         self._fd: Optional[int] = None
 
@@ -97,7 +100,7 @@ class RunLock:
     def _busy(self, holder: str) -> RunFolderError:
         return RunFolderError(
             f"{self.folder} is in use by another run ({holder}, lock file {self.path}); wait "
-            "for it to finish or pick another --out-dir", errno.EBUSY)
+            f"for it to finish or pick another {self.flag}", errno.EBUSY)
 
     def _holder(self) -> str:
         try:
