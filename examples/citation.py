@@ -148,7 +148,17 @@ DIAGNOSIS = [
     row("QSVConv recipe sandwich", "QSVConv", {**RECIPE, "transport": "sandwich"}),
     row("QSVConv recipe uniform", "QSVConv", {**RECIPE, "routing": "uniform"}),
 ]
-ALL_ROWS = MAIN_ROWS + DIAGNOSIS
+#: ``--source-logit``: the per-source logit term (``source_logit=True``: a
+#: per-head linear score of the source's features added to the routing logit,
+#: GAT's source half), each row beside the same row without it (issue 29).
+SOURCE_LOGIT = [
+    row("QSVConv literal +source", "QSVConv", {"source_logit": True}),
+    row("QSVConv +project", "QSVConv", {"project_input": True}),
+    row("QSVConv +project +source", "QSVConv", {"project_input": True, "source_logit": True}),
+    row("QSVConv recipe +source", "QSVConv", {**RECIPE, "source_logit": True}),
+]
+ALL_ROWS = MAIN_ROWS + DIAGNOSIS + [r for r in SOURCE_LOGIT
+                                    if r["name"] not in {d["name"] for d in DIAGNOSIS}]
 
 
 def slug(name: str) -> str:
@@ -398,6 +408,9 @@ def parser():
     p.add_argument("--diagnose", action="store_true",
                    help="add the diagnosis rows (one change each from the literal drop-in "
                         "and from the recipe)")
+    p.add_argument("--source-logit", action="store_true",
+                   help="add the per-source logit rows (source_logit=True), each "
+                        "beside the same row without it")
     p.add_argument("--cache-root", type=Path, default=Path("~/.cache/qsv_pyg/planetoid"),
                    help="writable folder where the dataset is copied and processed "
                         "(default ~/.cache/qsv_pyg/planetoid)")
@@ -421,6 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
 
     if not args.report_only:
         candidates = MAIN_ROWS + (DIAGNOSIS if args.diagnose else [])
+        if args.source_logit:
+            candidates += [r for r in SOURCE_LOGIT
+                           if r["name"] not in {c["name"] for c in candidates}]
         specs = [spec for _, spec in compare.selected(
             [(spec["name"], spec) for spec in candidates], args.models)]
         torch.set_num_threads(args.threads)

@@ -78,6 +78,28 @@ graphs, cross-entropy (one setting for all rows, not tuned per row):
   (Errica's chemical baseline, MolecularFingerprint, sums the raw features
   first; with one-hot labels the two differ only by the per-node layer.)
 
+Rows added by flags (the same protocol, folds, splits and settings, so each is
+paired by fold with the row it extends; ``<out-root>/paired.*`` gives the
+per-fold differences):
+
+* ``--source-logit``: ``QSV +source``, the QSV row with ``source_logit=True``
+  added to its QSV options (a per-head linear score of the source's features
+  added to the routing logit, GAT's source half; issue 29). Off by default.
+* ``--edge-attr``: a ``<row> +edge`` twin of every row that takes edge features,
+  with the set's one-hot edge labels (MUTAG's bond types: 4) as ``edge_attr``:
+  QSV (and QSV +source) with ``edge_dim`` (the labels enter the logit;
+  ``fill_value="mean"`` on the self-loops), GAT, GATv2 and Transformer with
+  ``edge_dim`` (widths matched by ``compare.matched_control`` to the QSV row
+  with edge features), GIN as ``GINE``: PyG's ``GINEConv`` in the same 3-layer
+  ``BasicGNN`` with 2-layer MLPs, its width matched the same way. The MLP
+  baseline sees no edge and is the node-only row. The ``+edge`` units have
+  their own folders (``<slug>-edge``) and the keys ``edge_features`` and
+  ``edge_dim`` in their configs, so they never mix with node-only units; the
+  tables show them beside their node-only rows. Only sets with edge labels
+  (``<NAME>_edge_labels.txt``; of the five, MUTAG) get ``+edge`` rows: the
+  others are named on stderr and get the node-only rows; when none of the
+  given sets has edge labels the script exits 2.
+
 Budget: ``--epochs 25 --patience 8`` by default. The arithmetic, from CPU
 milliseconds per training epoch measured on this machine (AMD EPYC, one torch
 thread, the two cores shared with other jobs: load average 3-5) on fold 0::
@@ -125,6 +147,8 @@ CPU ms per epoch) and ``<out-root>/<DATASET>/table.*`` (per dataset). Run::
     python examples/tu_graphs.py --jobs 2                 # the whole table
     python examples/tu_graphs.py --dataset MUTAG,PROTEINS --models QSV,GIN
     python examples/tu_graphs.py --report-only            # tables from the folders
+    python examples/tu_graphs.py --source-logit --models QSV   # QSV vs QSV +source
+    python examples/tu_graphs.py --edge-attr --dataset MUTAG   # + the '+edge' rows
     python examples/tu_graphs.py --dataset MUTAG --max-folds 2 --epochs 15 \\
         --out-root /tmp/tu-small                          # a tiny run
 
@@ -150,7 +174,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -161,7 +185,9 @@ from compare import Timer, fail, mean_std, num_params, warm_up
 
 import torch_geometric  # noqa: E402
 from torch_geometric.nn import global_add_pool, global_mean_pool  # noqa: E402
+from torch_geometric.nn import MLP, GINEConv, MessagePassing  # noqa: E402
 from torch_geometric.nn.models import GIN  # noqa: E402
+from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
 
 import qsv_pyg  # noqa: E402
 from qsv_pyg.nn import QSVConv  # noqa: E402
@@ -188,9 +214,20 @@ QSV_OPTIONS: Dict[str, Any] = {"add_self_loops": True, "root_weight": False,
                                "transport": "identity", "project_input": True}
 
 BASELINE = "MLP (sum of node features)"
-ROWS = ("QSV", "GAT", "GATv2", "Transformer", "GIN", BASELINE)
-SLUGS = {"QSV": "qsv", "GAT": "gat", "GATv2": "gatv2", "Transformer": "transformer",
-         "GIN": "gin", BASELINE: "mlp-sum"}
+#: ``--source-logit``'s row: the QSV row with the per-source logit term
+#: (``source_logit=True`` added to ``QSV_OPTIONS``; issue 29).
+SOURCE = "QSV +source"
+#: Options a row adds to ``QSV_OPTIONS`` (recorded in its config's ``hp``).
+ROW_QSV_OPTIONS: Dict[str, Dict[str, Any]] = {SOURCE: {"source_logit": True}}
+ROWS = ("QSV", SOURCE, "GAT", "GATv2", "Transformer", "GIN", BASELINE)
+SLUGS = {"QSV": "qsv", SOURCE: "qsv-source", "GAT": "gat", "GATv2": "gatv2",
+         "Transformer": "transformer", "GIN": "gin", BASELINE: "mlp-sum"}
+#: ``--edge-attr``: the rows that take edge features get a twin named
+#: ``<row> +edge`` (folder ``<slug>-edge``) on the sets with edge labels.
+EDGE = " +edge"
+EDGE_ROWS = ("QSV", SOURCE, "GAT", "GATv2", "Transformer", "GIN")
+#: Name suffixes of the variants; ``paired.*`` compares each with the row without it.
+VARIANTS = (" +source", EDGE)
 
 #: Published test accuracies (%), see the module docstring for the sources.
 ERRICA = "Errica et al. 2020 (Tables 3-4; same outer protocol, their model selection)"
@@ -220,18 +257,40 @@ PUBLISHED: List[Tuple[str, Dict[str, str], str]] = [
 # ------------------------------------------------------------------ the rows
 class GraphClassifier(torch.nn.Module):
     """A ``BasicGNN``'s node embeddings, pooled per graph (sum or mean), then a
-    linear map to the classes."""
+    linear map to the classes. With ``edge_attr`` the GNN also gets the batch's
+    edge features (``batch.edge_attr``)."""
 
-    def __init__(self, gnn: torch.nn.Module, num_classes: int, readout: str) -> None:
+    def __init__(self, gnn: torch.nn.Module, num_classes: int, readout: str,
+                 edge_attr: bool = False) -> None:
         super().__init__()
         self.gnn = gnn
         self.readout = readout
+        self.edge_attr = edge_attr
         self.pool = global_add_pool if readout == "sum" else global_mean_pool
         self.head = torch.nn.Linear(gnn.out_channels, num_classes)
 
     def forward(self, batch) -> torch.Tensor:
-        h = self.gnn(batch.x, batch.edge_index)
+        if self.edge_attr:
+            h = self.gnn(batch.x, batch.edge_index, edge_attr=batch.edge_attr)
+        else:
+            h = self.gnn(batch.x, batch.edge_index)
         return self.head(self.pool(h, batch.batch))
+
+
+class GINE(BasicGNN):
+    r"""PyG's ``GIN`` with :class:`~torch_geometric.nn.conv.GINEConv` layers (the
+    same 2-layer MLPs), which add a linear map of the edge features to every
+    neighbour's features: :math:`\mathbf{x}_i' = h_\Theta\big(\mathbf{x}_i +
+    \sum_{j} \mathrm{ReLU}(\mathbf{x}_j + \mathbf{W}_e \mathbf{e}_{ji})\big)`
+    (``edge_dim`` gives :math:`\mathbf{W}_e`)."""
+    supports_edge_weight: Final[bool] = False
+    supports_edge_attr: Final[bool] = True
+    supports_norm_batch: Final[bool]
+
+    def init_conv(self, in_channels: int, out_channels: int, **kwargs) -> MessagePassing:
+        mlp = MLP([in_channels, out_channels, out_channels], act=self.act,
+                  act_first=self.act_first, norm=self.norm, norm_kwargs=self.norm_kwargs)
+        return GINEConv(mlp, **kwargs)
 
 
 class SumOfNodeFeatures(torch.nn.Module):
@@ -249,24 +308,46 @@ class SumOfNodeFeatures(torch.nn.Module):
         return self.out(F.relu(self.graph(h)))
 
 
-def hyperparameters(epochs: int = EPOCHS, patience: int = PATIENCE) -> Dict[str, Any]:
-    """Every unit's training settings (recorded in its config)."""
+def hyperparameters(epochs: int = EPOCHS, patience: int = PATIENCE,
+                    row: Optional[str] = None) -> Dict[str, Any]:
+    """Every unit's training settings (recorded in its config); the row ``row``'s
+    QSV options are ``QSV_OPTIONS`` plus its ``ROW_QSV_OPTIONS``."""
+    base = None if row is None else base_row(row)[0]
     return {"epochs": epochs, "patience": patience, "hidden": HIDDEN, "layers": LAYERS,
             "heads": HEADS, "dropout": DROPOUT, "lr": LR, "batch_size": BATCH_SIZE,
-            "readout": READOUT, "qsv_options": dict(QSV_OPTIONS)}
+            "readout": READOUT,
+            "qsv_options": {**QSV_OPTIONS, **ROW_QSV_OPTIONS.get(base, {})}}
 
 
-def qsv_gnn(in_channels: int, hp: Dict[str, Any]) -> QSV:
+def base_row(row: str) -> Tuple[str, bool]:
+    """The row without its ``+edge`` suffix, and whether it had one."""
+    if row.endswith(EDGE):
+        return row[:-len(EDGE)], True
+    return row, False
+
+
+def row_slug(row: str) -> str:
+    """The row's folder name: ``SLUGS`` of its base row, ``-edge`` for ``+edge``."""
+    base, edge = base_row(row)
+    return SLUGS.get(base, base) + ("-edge" if edge else "")
+
+
+def qsv_gnn(in_channels: int, hp: Dict[str, Any], edge_dim: Optional[int] = None) -> QSV:
+    extra = {} if edge_dim is None else {"edge_dim": edge_dim}
     return QSV(in_channels, hp["hidden"], hp["layers"], heads=hp["heads"],
-               dropout=hp["dropout"], **hp["qsv_options"])
+               dropout=hp["dropout"], **hp["qsv_options"], **extra)
 
 
-def matched_gin(in_channels: int, target: int, num_layers: int, dropout: float) -> GIN:
-    """PyG's ``GIN`` whose hidden width gives the parameter count closest to
-    ``target`` (as ``compare.matched_control`` does for the attention controls)."""
+def matched_gin(in_channels: int, target: int, num_layers: int, dropout: float,
+                edge_dim: Optional[int] = None) -> BasicGNN:
+    """PyG's ``GIN`` (``GINE`` with ``edge_dim``) whose hidden width gives the
+    parameter count closest to ``target`` (as ``compare.matched_control`` does for
+    the attention controls)."""
     best = None
     for width in range(1, 1025):
-        model = GIN(in_channels, width, num_layers, dropout=dropout)
+        model = (GIN(in_channels, width, num_layers, dropout=dropout) if edge_dim is None
+                 else GINE(in_channels, width, num_layers, dropout=dropout,
+                           edge_dim=edge_dim))
         gap = abs(num_params(model) - target)
         if best is None or gap < best[0]:
             best = (gap, model)
@@ -277,20 +358,28 @@ def matched_gin(in_channels: int, target: int, num_layers: int, dropout: float) 
 
 
 def build_model(row: str, in_channels: int, num_classes: int,
-                hp: Dict[str, Any]) -> torch.nn.Module:
-    if row == BASELINE:
+                hp: Dict[str, Any], edge_dim: Optional[int] = None) -> torch.nn.Module:
+    """The row's model; a ``+edge`` row takes ``edge_dim`` edge features. The
+    controls' widths are matched to the parameters of the QSV row with the same
+    edge features (``QSV_OPTIONS``, without a row's own options)."""
+    base, edge = base_row(row)
+    if edge and edge_dim is None:
+        raise ValueError(f"row {row!r} needs edge_dim")
+    edge_dim = edge_dim if edge else None
+    if base == BASELINE:
         return SumOfNodeFeatures(in_channels, hp["hidden"], num_classes)
-    qsv = qsv_gnn(in_channels, hp)
-    if row == "QSV":
-        gnn: torch.nn.Module = qsv
+    if base in ("QSV", SOURCE):
+        gnn: torch.nn.Module = qsv_gnn(in_channels, hp, edge_dim)
     else:
-        target = num_params(qsv)
-        if row == "GIN":
-            gnn = matched_gin(in_channels, target, hp["layers"], hp["dropout"])
+        target = num_params(qsv_gnn(in_channels, {**hp, "qsv_options": dict(QSV_OPTIONS)},
+                                    edge_dim))
+        if base == "GIN":
+            gnn = matched_gin(in_channels, target, hp["layers"], hp["dropout"], edge_dim)
         else:
-            gnn = compare.matched_control(row, in_channels, target, hp["layers"], None,
-                                          hp["heads"], dropout=hp["dropout"])
-    return GraphClassifier(gnn, num_classes, hp["readout"])
+            extra = {} if edge_dim is None else {"edge_dim": edge_dim}
+            gnn = compare.matched_control(base, in_channels, target, hp["layers"], None,
+                                          hp["heads"], dropout=hp["dropout"], **extra)
+    return GraphClassifier(gnn, num_classes, hp["readout"], edge_attr=edge)
 
 
 # ------------------------------------------------------------------ the data
@@ -338,6 +427,11 @@ def prepare_dataset(name: str, data_root: Path, cache_root: Path,
     spec["num_features"] = (max_degree + 1 if max_degree is not None
                             else dataset.num_node_features)
     spec["features"] = node_features(dataset.num_node_labels, attrs, max_degree)
+    # TUDataset one-hot encodes the edge labels (``<NAME>_edge_labels.txt``) as
+    # ``edge_attr`` (continuous edge attributes are left out: use_edge_attr=False).
+    labels = dataset.num_edge_labels
+    spec["edge_dim"] = labels if labels > 0 else None
+    spec["edge_features"] = f"one-hot edge labels ({labels})" if labels > 0 else None
     spec["labels"] = y.tolist()
     return spec
 
@@ -499,7 +593,8 @@ def train_unit(graphs: list, split: Dict[str, List[int]], spec: Dict[str, Any],
     from torch_geometric.loader import DataLoader
     graphs = standardised(graphs, split["train"], spec.get("num_attributes", 0))
     torch.manual_seed(seed)
-    model = build_model(row, spec["num_features"], spec["num_classes"], hp)
+    model = build_model(row, spec["num_features"], spec["num_classes"], hp,
+                        spec.get("edge_dim"))
     generator = torch.Generator().manual_seed(seed)
     train_loader = DataLoader([graphs[i] for i in split["train"]],
                               batch_size=hp["batch_size"], shuffle=True, generator=generator)
@@ -593,7 +688,43 @@ def dataset_order(names) -> List[str]:
 
 
 def row_order(names) -> List[str]:
-    return sorted(set(names), key=lambda n: (ROWS.index(n) if n in ROWS else len(ROWS), n))
+    """``ROWS``' order, each ``+edge`` row after its node-only row."""
+    def key(name: str):
+        base, edge = base_row(name)
+        return (ROWS.index(base) if base in ROWS else len(ROWS), base, edge)
+    return sorted(set(names), key=key)
+
+
+def paired_rows(groups: Dict[Tuple[str, str], List[Tuple[Dict[str, Any], Dict[str, Any]]]],
+                datasets: Sequence[str], models: Sequence[str]) -> List[Dict[str, Any]]:
+    """Every variant row (a name with a ``VARIANTS`` suffix) against the row
+    without that suffix, paired by fold: per dataset the mean ± std (sample std)
+    of the per-fold difference in test accuracy (points) and how many folds the
+    variant was better / worse, over the folds both rows finished."""
+    rows = []
+    for model in models:
+        for suffix in VARIANTS:
+            if suffix not in model:
+                continue
+            other = model.replace(suffix, "", 1)
+            if other not in models:
+                continue
+            row: Dict[str, Any] = {"row": model, "against": other}
+            for dataset in datasets:
+                a = {c["fold"]: m["test_acc"] for c, m in groups.get((dataset, model), [])}
+                b = {c["fold"]: m["test_acc"] for c, m in groups.get((dataset, other), [])}
+                folds = sorted(set(a) & set(b))
+                if not folds:
+                    continue
+                diff = [100 * (a[k] - b[k]) for k in folds]
+                std = statistics.stdev(diff) if len(diff) > 1 else 0.0
+                better = sum(d > 0 for d in diff)
+                worse = sum(d < 0 for d in diff)
+                row[dataset] = (f"{statistics.fmean(diff):+.1f} ± {std:.1f} ({better} better, "
+                                f"{worse} worse of {len(folds)})")
+            if len(row) > 2:
+                rows.append(row)
+    return rows
 
 
 def settings_text(configs: List[Dict[str, Any]]) -> str:
@@ -640,6 +771,8 @@ def report(out_root: Path) -> str:
         folds = group[0][0]["folds"]
         return "" if len(group) >= folds else f" ({len(group)}/{folds} folds)"
 
+    edge_sets = {d: c["edge_features"] for (d, m), g in groups.items()
+                 if base_row(m)[1] for c in [g[0][0]]}
     overall, costs = [], []
     for model in models:
         row: Dict[str, Any] = {"model": model, "source": "this run"}
@@ -663,7 +796,18 @@ def report(out_root: Path) -> str:
     text = compare.write_table(
         out_root / "table", ["model", *datasets, "source"], overall,
         title=f"TU graph classification, test accuracy (%) at the selected epoch, mean ± "
-              f"std over folds: {settings}. MUTAG is not in Errica et al. 2020")
+              f"std over folds: {settings}. MUTAG is not in Errica et al. 2020"
+              + ("" if not edge_sets else
+                 f". Rows '+edge' also take edge features ("
+                 + "; ".join(f"{d}: {t}" for d, t in edge_sets.items())
+                 + "; the MLP baseline sees none)"))
+    pairs = paired_rows(groups, datasets, models)
+    if pairs:
+        compare.write_table(
+            out_root / "paired", ["row", "against", *datasets], pairs,
+            title="Paired by fold: test accuracy of the row minus that of the row it is "
+                  "compared with (points), mean ± std over the folds both finished, and "
+                  "the folds where it was better / worse")
     compare.write_table(
         out_root / "costs",
         ["model"] + [f"{d} {k}" for d in datasets for k in ("params", "ms/epoch")], costs,
@@ -693,7 +837,9 @@ def report(out_root: Path) -> str:
         compare.write_table(
             out_root / dataset / "table", columns, rows,
             title=f"{dataset} ({first['num_graphs']} graphs, {first['num_classes']} classes; "
-                  f"features: {first['features']}): {settings}")
+                  f"features: {first['features']}"
+                  + (f"; '+edge' rows: {edge_sets[dataset]} as edge features"
+                     if dataset in edge_sets else "") + f"): {settings}")
     return text
 
 
@@ -724,6 +870,14 @@ def parser():
     p.add_argument("--jobs", type=int, default=1,
                    help="units trained at a time, in worker processes (default 1: in "
                         "this process)")
+    p.add_argument("--source-logit", action="store_true",
+                   help=f"add the row {SOURCE!r}: the QSV row with source_logit=True "
+                        f"(the per-source logit term), paired by fold with the QSV row")
+    p.add_argument("--edge-attr", action="store_true",
+                   help="add a '<row> +edge' row for every row that takes edge features "
+                        f"({', '.join(EDGE_ROWS)}; GIN as GINEConv) with the one-hot edge "
+                        "labels as edge_attr, on the sets that have edge labels (the others "
+                        "get only the node-only rows; exit 2 when no set has them)")
     p.add_argument("--node-attributes", default=",".join(NODE_ATTRIBUTES),
                    help=f"comma-separated sets whose continuous node attributes are "
                         f"features too (default {','.join(NODE_ATTRIBUTES)})")
@@ -738,6 +892,16 @@ def unit_order(datasets: Sequence[str], folds: int, rows: Sequence[str]
     """The order units train in: dataset by dataset, fold by fold, every row of a
     fold before the next fold (an interrupted table holds whole, paired folds)."""
     return [(d, fold, row) for d in datasets for fold in range(folds) for row in rows]
+
+
+def candidate_rows(source_logit: bool = False, edge_attr: bool = False) -> List[str]:
+    """The rows ``--models`` chooses from: ``ROWS`` (``SOURCE`` only with
+    ``source_logit``), then with ``edge_attr`` a ``+edge`` twin of every
+    ``EDGE_ROWS`` row among them."""
+    rows = [r for r in ROWS if r != SOURCE or source_logit]
+    if edge_attr:
+        rows += [r + EDGE for r in rows if r in EDGE_ROWS]
+    return rows
 
 
 def names(text: str) -> List[str]:
@@ -757,7 +921,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     datasets = list(dict.fromkeys(names(args.dataset)))
     if not datasets:
         fail("--dataset names no dataset")
-    rows = [name for name, _ in compare.selected([(r, None) for r in ROWS], args.models)]
+    rows = [name for name, _ in compare.selected(
+        [(r, None) for r in candidate_rows(args.source_logit, args.edge_attr)], args.models)]
     epochs = args.epochs if args.epochs is not None else (SMALL_EPOCHS if args.small else EPOCHS)
     patience = (args.patience if args.patience is not None
                 else (SMALL_PATIENCE if args.small else PATIENCE))
@@ -772,7 +937,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         if value < 1:
             fail(f"{flag} must be positive (got {value})")
     torch.set_num_threads(args.threads)
-    hp = hyperparameters(epochs, patience)
     attribute_sets = names(args.node_attributes)
 
     # Every set is checked and prepared before anything trains.
@@ -780,12 +944,25 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
              for name in datasets]
     for spec in specs:
         check_folds(spec, args.folds)
+    if any(base_row(r)[1] for r in rows):
+        without = [spec["name"] for spec in specs if spec["edge_dim"] is None]
+        if len(without) == len(specs):
+            fail(f"--edge-attr: {', '.join(without)} "
+                 f"{'has' if len(without) == 1 else 'have'} no edge labels "
+                 f"(no <NAME>_edge_labels.txt in the raw folder); of the default sets only "
+                 f"MUTAG has them")
+        for name in without:
+            print(f"tu_graphs: --edge-attr: {name} has no edge labels: its '+edge' rows "
+                  f"are skipped", file=sys.stderr)
     splits = {spec["name"]: load_or_make_splits(out_root / spec["name"] / "splits.json",
                                                 spec, args.folds) for spec in specs}
     data = {spec["name"]: {k: v for k, v in spec.items() if k != "labels"} for spec in specs}
     tasks, done = [], 0
     for name, fold, row in unit_order(datasets, max_folds, rows):
         split, spec = splits[name][fold], data[name]
+        edge = base_row(row)[1]
+        if edge and spec["edge_dim"] is None:
+            continue
         config = {
             "script": "tu_graphs.py", "version": SCRIPT_VERSION,
             "dataset": name, "model": row, "fold": fold,
@@ -795,15 +972,19 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
             "num_test": len(split["test"]), "num_graphs": spec["num_graphs"],
             "num_classes": spec["num_classes"],
             "num_features": spec["num_features"], "features": spec["features"],
-            "seed": fold, "threads": args.threads, "hp": hp,
+            "seed": fold, "threads": args.threads,
+            "hp": hyperparameters(epochs, patience, row),
             "selection": "test accuracy at the last epoch of best validation "
                          "accuracy (>=); early stopping with patience"}
-        folder = out_root / name / SLUGS.get(row, row) / f"fold{fold}"
+        if edge:  # only here: the node-only units' configs stay as they were
+            config["edge_features"] = spec["edge_features"]
+            config["edge_dim"] = spec["edge_dim"]
+        folder = out_root / name / row_slug(row) / f"fold{fold}"
         if compare.finished_unit(folder, config) is not None:
             done += 1
             continue
         tasks.append({"folder": str(folder), "config": config, "data": spec,
-                      "split": split, "row": row, "fold": fold, "hp": hp,
+                      "split": split, "row": row, "fold": fold, "hp": config["hp"],
                       "threads": args.threads})
     from tqdm.auto import tqdm
     bar = tqdm(total=done + len(tasks), initial=done, desc="tu_graphs", unit="unit",

@@ -465,3 +465,132 @@ def test_bench_tu_times_rows_side_by_side(tu, cache, tmp_path, capsys):
     summarize.main([str(out)])
     assert "| MUTAG | QSV |" in capsys.readouterr().out
     assert json.loads(out.read_text())["rows"] == rows
+
+
+# ------------------------------------- --source-logit and --edge-attr (issue 29)
+#: One fold of three epochs: every row with its '+source' / '+edge' twins.
+VARIANTS = ["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "3", "--patience", "3",
+            "--source-logit", "--edge-attr", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def variants(tu, tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("tu-variants")
+    text = tu.main(VARIANTS + ["--out-root", str(out), "--cache-root", str(cache)])
+    return out, text
+
+
+def test_source_and_edge_rows_train_and_report(tu, variants):
+    out, text = variants
+    units = units_by_model(out, tu)
+    edge_rows = {"QSV +edge", "QSV +source +edge", "GAT +edge", "GATv2 +edge",
+                 "Transformer +edge", "GIN +edge"}
+    assert set(units) == set(tu.ROWS) | edge_rows  # the MLP baseline has no '+edge' twin
+    configs = {model: group[0][0] for model, group in units.items()}
+    metrics = {model: group[0][1] for model, group in units.items()}
+    # QSV +source: the QSV row's options plus source_logit, nothing else changed.
+    assert configs[tu.SOURCE]["hp"]["qsv_options"] == {**tu.QSV_OPTIONS, "source_logit": True}
+    assert configs["QSV"]["hp"]["qsv_options"] == tu.QSV_OPTIONS
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("model", "hp")}  # noqa: E731
+    assert strip(configs[tu.SOURCE]) == strip(configs["QSV"])  # same fold, split, data
+    assert {k: v for k, v in configs[tu.SOURCE]["hp"].items() if k != "qsv_options"} == \
+        {k: v for k, v in configs["QSV"]["hp"].items() if k != "qsv_options"}
+    # The per-source term adds a [C, heads] map per layer: more parameters.
+    assert metrics[tu.SOURCE]["params"] > metrics["QSV"]["params"]
+    # '+edge' units record their edge features; node-only units have no such keys.
+    for model, config in configs.items():
+        if model in edge_rows:
+            assert config["edge_dim"] == 4 and "edge labels (4)" in config["edge_features"]
+        else:
+            assert "edge_dim" not in config and "edge_features" not in config
+    for model in edge_rows:  # the QSV kernel stays on the operator with edge features
+        if model.startswith("QSV"):
+            assert all(p.startswith("attend_shared") for p in metrics[model]["qsv_paths"])
+    # Folders of their own; the tables show the twins beside their rows.
+    assert (out / "MUTAG" / "qsv-source" / "fold0" / "metrics.json").is_file()
+    assert (out / "MUTAG" / "qsv-source-edge" / "fold0" / "metrics.json").is_file()
+    assert (out / "MUTAG" / "gin-edge" / "fold0" / "metrics.json").is_file()
+    lines = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    assert lines.index("GAT +edge") == lines.index("GAT") + 1
+    assert lines.index("QSV +source") < lines.index("GAT")
+    assert "edge labels (4)" in text
+    paired = json.loads((out / "paired.json").read_text())["rows"]
+    pairs = {(r["row"], r["against"]): r["MUTAG"] for r in paired}
+    assert {("QSV +source", "QSV"), ("GAT +edge", "GAT"), ("GIN +edge", "GIN"),
+            ("QSV +source +edge", "QSV +edge"), ("QSV +source +edge", "QSV +source")} \
+        <= set(pairs)
+    a, b = metrics[tu.SOURCE]["test_acc"], metrics["QSV"]["test_acc"]
+    assert pairs[("QSV +source", "QSV")].startswith(f"{100 * (a - b):+.1f} ± 0.0")
+    assert pairs[("QSV +source", "QSV")].endswith("of 1)")
+    assert "+edge" in (out / "MUTAG" / "table.md").read_text()
+
+
+def test_edge_rows_read_the_edge_features(tu, cache):
+    """Every '+edge' model's output depends on batch.edge_attr; the node-only
+    models' does not; the controls' widths are matched to QSV +edge's parameters
+    and GIN +edge is GINEConv."""
+    from torch_geometric.data import Batch
+    from torch_geometric.nn import GINEConv
+    spec = tu.prepare_dataset("MUTAG", DATA_ROOT, cache, [])
+    assert spec["edge_dim"] == 4
+    graphs = tu.load_graphs(spec)
+    batch = Batch.from_data_list(graphs[:8])
+    other = batch.clone()
+    other.edge_attr = batch.edge_attr.flip(0)  # other bond labels on the same edges
+    hp = tu.hyperparameters()
+    target = tu.num_params(tu.qsv_gnn(spec["num_features"], hp, 4))
+    for row in tu.candidate_rows(source_logit=True, edge_attr=True):
+        torch = tu.torch
+        torch.manual_seed(0)
+        model = tu.build_model(row, spec["num_features"], 2, tu.hyperparameters(row=row), 4)
+        model.eval()
+        with torch.no_grad():
+            changed = not torch.allclose(model(batch), model(other))
+        assert changed == row.endswith(" +edge"), row
+        if row in ("GAT +edge", "GATv2 +edge", "Transformer +edge", "GIN +edge"):
+            assert abs(tu.num_params(model.gnn) - target) < 0.1 * target, row
+    gine = tu.build_model("GIN +edge", spec["num_features"], 2, hp, 4).gnn
+    assert isinstance(gine, tu.GINE) and all(isinstance(c, GINEConv) for c in gine.convs)
+    with pytest.raises(ValueError, match="edge_dim"):
+        tu.build_model("GAT +edge", spec["num_features"], 2, hp, None)
+
+
+def test_edge_attr_on_a_set_without_edge_labels(tu, tmp_path, cache, capsys):
+    """Alone: exit 2 with one line naming it. Beside MUTAG: its '+edge' rows are
+    skipped with a line on stderr, MUTAG's are trained."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        tu.main(["--dataset", "IMDB-BINARY", "--edge-attr", "--max-folds", "1",
+                 "--epochs", "1", "--models", "GIN +edge", "--no-progress",
+                 "--out-root", str(out), "--cache-root", str(cache)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "IMDB-BINARY" in err[0] and "no edge labels" in err[0], err
+    assert not any(out.rglob("metrics.json"))
+    tu.main(["--dataset", "MUTAG,IMDB-BINARY", "--edge-attr", "--max-folds", "1",
+             "--epochs", "1", "--patience", "1", "--models", "GIN +edge", "--no-progress",
+             "--out-root", str(out), "--cache-root", str(cache)])
+    err = capsys.readouterr().err
+    assert "IMDB-BINARY has no edge labels" in err and "skipped" in err
+    assert {c["dataset"] for c, _ in tu.compare.read_units(out)} == {"MUTAG"}
+    assert (out / "MUTAG" / "gin-edge" / "fold0" / "metrics.json").is_file()
+
+
+def test_edge_and_node_only_units_never_mix(tu, variants, cache, monkeypatch):
+    """A node-only run in the '+edge' run's folder reuses the node-only units and
+    trains nothing; '+edge' units are never taken for node-only ones (own folders,
+    own config keys) and a node-only config never matches a '+edge' folder."""
+    out, _ = variants
+    trained = []
+    monkeypatch.setattr(tu, "train_unit", lambda *a, **kw: trained.append(a[3]))
+    tu.main(["--dataset", "MUTAG", "--max-folds", "1", "--epochs", "3", "--patience", "3",
+             "--source-logit", "--no-progress", "--out-root", str(out),
+             "--cache-root", str(cache)])
+    assert trained == []
+    node = json.loads((out / "MUTAG" / "gat" / "fold0" / "config.json").read_text())
+    edge = json.loads((out / "MUTAG" / "gat-edge" / "fold0" / "config.json").read_text())
+    assert tu.compare.finished_unit(out / "MUTAG" / "gat" / "fold0", node) is not None
+    with pytest.raises(SystemExit):  # a node-only config is refused in a '+edge' folder
+        tu.compare.finished_unit(out / "MUTAG" / "gat-edge" / "fold0", node)
+    assert {k for k in edge if edge.get(k) != node.get(k)} == {"model", "edge_dim",
+                                                               "edge_features"}
