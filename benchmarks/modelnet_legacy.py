@@ -140,7 +140,9 @@ from torch import Tensor
 
 import sys
 
-# compare.py (the examples' shared helpers) lives in examples/.
+# This checkout's qsv_pyg (not another installed copy), and compare.py (the
+# examples' shared helpers) from examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from compare import (  # noqa: E402
