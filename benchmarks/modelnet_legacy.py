@@ -140,7 +140,9 @@ from torch import Tensor
 
 import sys
 
-# compare.py (the examples' shared helpers) lives in examples/.
+# This checkout's qsv_pyg (not another installed copy), and compare.py (the
+# examples' shared helpers) from examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from compare import (  # noqa: E402
@@ -185,24 +187,8 @@ GNN_KW = {"norm": "batch_norm"}
 COST = {"QSV-geometric": 17, "QSV xyz": 24, "GAT xyz": 123, "GAT local": 137,
         "Transformer xyz": 94, "Transformer local": 91, "DGCNN": 86, "PointNet++": 79}
 ENCODE_COST = {"frames": 32, "graph": 7, "points": 0}
-#: Published context, ModelNet40 (40 classes), NOT this script's ModelNet10:
-#: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
-#: Networks", ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, SO3/SO3) and the
-#: appendix (trained aligned, tested SO3: I/SO3).
-PUBLISHED = [
-    {"model": "PointNet", "z/z": "85.9", "z/SO3": "19.6", "SO3/SO3": "74.7", "I/SO3": "–"},
-    {"model": "DGCNN", "z/z": "90.3", "z/SO3": "33.8", "SO3/SO3": "88.6", "I/SO3": "16.6"},
-    {"model": "VN-PointNet", "z/z": "77.5", "z/SO3": "77.5", "SO3/SO3": "–", "I/SO3": "–"},
-    {"model": "VN-DGCNN", "z/z": "89.5", "z/SO3": "89.5", "SO3/SO3": "90.2", "I/SO3": "90.0"},
-]
-PUBLISHED_NOTE = (
-    "ModelNet40 (40 classes, 1,024 points), NOT ModelNet10: test accuracy (%) from "
-    "Deng et al., Vector Neurons, ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, "
-    "SO3/SO3) and its appendix (I/SO3: trained aligned, tested SO3). The z/SO3 "
-    "column and VN-DGCNN's z/z and SO3/SO3: two independent secondary sources agree "
-    "(notes on the paper, p. 6, and a later paper's copy of Table 1); PointNet's and "
-    "DGCNN's z/z and SO3/SO3, VN-PointNet and the I/SO3 column: one secondary source "
-    "each; none checked against the PDF itself. '–': not checked here.")
+# Published context (ModelNet40): one source of truth in the package.
+from qsv_pyg.experiments.modelnet_table import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
 
 
 # ------------------------------------------------------------------ data

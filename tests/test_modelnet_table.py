@@ -85,10 +85,12 @@ def test_rerun_reuses_finished_units_and_report_files(tiny, capsys):
     M.main(_args(root / "data", out, "--rows", "qsv-geometric", "--protocols", "aligned",
                  "--seeds", "1", "--budget-cpu-s", "3"))
     assert metrics.stat().st_mtime_ns == before
-    for name in ("table.md", "table.csv", "results.json", "accuracy.png"):
+    for name in ("table.md", "table.csv", "results.json", "accuracy.png",
+                 "published_modelnet40.md"):
         assert (out / name).stat().st_size > 0
     text = (out / "table.md").read_text()
     assert "QSV-geometric" in text and "CPU-s/epoch" in text and "epochs" in text
+    assert "NOT ModelNet10" in (out / "published_modelnet40.md").read_text()
 
 
 def test_damaged_metrics_are_named_and_skipped(tiny, tmp_path, capsys):

@@ -41,8 +41,9 @@ measured once, at the end. No choice of this runner was tuned on the test set.
 ``config.json``, ``log.jsonl`` (one line per epoch) and ``metrics.json``
 (written atomically, last); finished units are reused, a unit another process
 trains is refused (:mod:`qsv_pyg.experiments.units`). ``--report-only`` writes
-``<out-root>/table.{md,csv}``, ``results.json`` and ``accuracy.png``; damaged
-run files are named and left out.
+``<out-root>/table.{md,csv}``, ``results.json``, ``accuracy.png`` and
+``published_modelnet40.md`` (the published context, ModelNet40, labelled as
+such); damaged run files are named and left out.
 
 Run::
 
@@ -68,8 +69,9 @@ from ..training.run_files import atomic_write, write_csv, write_json, write_text
 from .units import (NUMBER, check_folder, fail, finished_unit, read_units, run_in_workers,
                     run_unit)
 
-__all__ = ["ROWS", "ROW_NAMES", "TESTS", "COLUMNS", "main", "report", "train_unit",
-           "stratified_split", "load_arrays", "rotations", "build_model", "slug"]
+__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "ROWS", "ROW_NAMES", "TESTS", "COLUMNS", "main",
+           "report", "train_unit", "stratified_split", "load_arrays", "rotations",
+           "build_model", "slug"]
 
 DATASET = "ModelNet10"
 OUT_ROOT = "docs/results/modelnet_table"
@@ -87,6 +89,25 @@ VAL_SEED = 23
 ROTATION_SEED = {"z": 31, "so3": 32, "val_so3": 33}
 VAL_FRACTION = 0.1
 MAX_POINTS = 1024
+
+#: Published context, ModelNet40 (40 classes), NOT ModelNet10:
+#: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
+#: Networks", ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, SO3/SO3) and the
+#: appendix (trained aligned, tested SO3: I/SO3).
+PUBLISHED = [
+    {"model": "PointNet", "z/z": "85.9", "z/SO3": "19.6", "SO3/SO3": "74.7", "I/SO3": "–"},
+    {"model": "DGCNN", "z/z": "90.3", "z/SO3": "33.8", "SO3/SO3": "88.6", "I/SO3": "16.6"},
+    {"model": "VN-PointNet", "z/z": "77.5", "z/SO3": "77.5", "SO3/SO3": "–", "I/SO3": "–"},
+    {"model": "VN-DGCNN", "z/z": "89.5", "z/SO3": "89.5", "SO3/SO3": "90.2", "I/SO3": "90.0"},
+]
+PUBLISHED_NOTE = (
+    "ModelNet40 (40 classes, 1,024 points), NOT ModelNet10: test accuracy (%) from "
+    "Deng et al., Vector Neurons, ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, "
+    "SO3/SO3) and its appendix (I/SO3: trained aligned, tested SO3). The z/SO3 "
+    "column and VN-DGCNN's z/z and SO3/SO3: two independent secondary sources agree "
+    "(notes on the paper, p. 6, and a later paper's copy of Table 1); PointNet's and "
+    "DGCNN's z/z and SO3/SO3, VN-PointNet and the I/SO3 column: one secondary source "
+    "each; none checked against the PDF itself. '–': not checked here.")
 
 
 # ------------------------------------------------------------------ rows
@@ -632,6 +653,11 @@ def report(out_root: Path, dataset: str = DATASET, quiet: bool = False
         write_csv(out_root / "table.csv", columns, table)
         write_json(out_root / "results.json", {"title": title, "columns": columns,
                                                "rows": table, "units": units})
+        pub_cols = ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"]
+        pub = [f"### Published context: {PUBLISHED_NOTE}", "",
+               "| " + " | ".join(pub_cols) + " |", "|" + "---|" * len(pub_cols)]
+        pub += ["| " + " | ".join(r[c] for c in pub_cols) + " |" for r in PUBLISHED]
+        write_text(out_root / "published_modelnet40.md", "\n".join(pub) + "\n")
         plot(out_root / "accuracy.png", rows, 1 / num_classes,
              f"{dataset}, {budgets} CPU-s per unit; {settings}")
     except OSError as error:
