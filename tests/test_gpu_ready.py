@@ -82,8 +82,8 @@ def test_interpreted_forward_checks_a_graph_once(asserts, monkeypatch):
     v = torch.randn(4, 1, 1, 4)
     q = torch.nn.functional.normalize(torch.randn(4, 1, 4), dim=-1)
     for _ in range(2):
-        tk.forward(v, q, q, q, q, torch.ones(1), v.new_empty(0), g.rowptr, g.col, False,
-                   True)
+        tk.forward(v, q, q, q, q, torch.ones(1), v.new_empty(0), v.new_empty(0), g.rowptr,
+                   g.col, False, True)
     assert len(asserts) == 1
 
 
