@@ -106,10 +106,10 @@ phase_warmup() {
     step gpu-info 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
         --filename="$out/gpu.txt"
     step warmup 120 "$py" benchmarks/gpu_warmup.py --device cuda --out "$out/warmup.json"
-    step cuda-tests 90 "$py" -m pytest -q -m cuda -p no:cacheprovider tests
-    step triton-tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernel.py
     step conv-fp32 40 "$py" "${conv[@]}" --amp none --out "$out/conv-fp32.json"
     step conv-bf16 40 "$py" "${conv[@]}" --amp bf16 --out "$out/conv-bf16.json"
+    step cuda-tests 90 "$py" -m pytest -q -m cuda -p no:cacheprovider tests
+    step triton-tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernel.py
 }
 
 phase_measure() {
@@ -117,19 +117,19 @@ phase_measure() {
         --out "$out/warmup-again.json"
     step train-eager-fp32 30 "$py" "${train[@]}" --models "${models[@]}" --amp none \
         --out "$out/train-eager-fp32.json"
+    step epoch-paper-qsv 60 "$py" benchmarks/bench_cli_epoch.py --preset paper-qsv \
+        --device cuda --epochs 2 --budget-minutes 0.7 --timeout 55 \
+        --out "$out/epoch-paper-qsv.json"
     step train-eager-bf16 30 "$py" "${train[@]}" --models "${models[@]}" --amp bf16 \
         --out "$out/train-eager-bf16.json"
     step train-compiled-fp32 90 "$py" "${train[@]}" --models "${compiled_models[@]}" \
         --amp none --compile --out "$out/train-compiled-fp32.json"
     step train-compiled-bf16 90 "$py" "${train[@]}" --models "${compiled_models[@]}" \
         --amp bf16 --compile --out "$out/train-compiled-bf16.json"
-    step epoch-paper-qsv 60 "$py" benchmarks/bench_cli_epoch.py --preset paper-qsv \
-        --device cuda --epochs 2 --budget-minutes 0.7 --timeout 55 \
-        --out "$out/epoch-paper-qsv.json"
-    step ddp-smoke 30 "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
-        benchmarks/ddp_smoke.py --device cuda --out "$out/ddp.json"
     step determinism 40 "$py" benchmarks/check_determinism.py --device cuda \
         --mode deterministic --models qsv attention-gat resnet20 --out "$out/determinism.json"
+    step ddp-smoke 30 "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
+        benchmarks/ddp_smoke.py --device cuda --out "$out/ddp.json"
 }
 
 for phase in "${phases[@]}"; do

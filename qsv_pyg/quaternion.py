@@ -106,8 +106,9 @@ class _UnitQuaternion(torch.autograd.Function):
         # `~(norm <= eps)` rather than `norm > eps`: a NaN norm must take the
         # division branch so that the NaN propagates instead of being masked.
         ok = ~(norm <= eps)
-        identity = q.new_zeros(4)
-        identity[0] = 1.0
+        # Built on the device without a host-to-device copy (``identity[0] = 1.0``
+        # on a CUDA tensor is a synchronising copy of the Python scalar).
+        identity = torch.cat([q.new_ones(1), q.new_zeros(3)])
         unit = torch.where(ok, q / norm.clamp_min(eps), identity)
         ctx.save_for_backward(q, unit, norm, ok)
         ctx.eps = eps

@@ -24,10 +24,10 @@ sys.path.insert(0, str(BENCH))
 import gpu_report  # noqa: E402
 
 EXPECTED = {
-    "warmup": ["gpu-info", "warmup", "cuda-tests", "triton-tests", "conv-fp32", "conv-bf16",
+    "warmup": ["gpu-info", "warmup", "conv-fp32", "conv-bf16", "cuda-tests", "triton-tests",
                "report"],
-    "measure": ["warmup-again", "train-eager-fp32", "train-eager-bf16", "train-compiled-fp32",
-                "train-compiled-bf16", "epoch-paper-qsv", "ddp-smoke", "determinism",
+    "measure": ["warmup-again", "train-eager-fp32", "epoch-paper-qsv", "train-eager-bf16",
+                "train-compiled-fp32", "train-compiled-bf16", "determinism", "ddp-smoke",
                 "report"],
 }
 #: One command on the GPU machine: at most 600 s; the phase's steps, its report
