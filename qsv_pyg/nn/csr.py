@@ -73,7 +73,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch_geometric import is_compiling
+from torch_geometric import EdgeIndex, is_compiling
 from torch_geometric.typing import Adj, SparseTensor
 from torch_geometric.utils import add_self_loops, is_torch_sparse_tensor, remove_self_loops
 
@@ -198,8 +198,7 @@ def batch_edge_index(edge_index: Tensor, batch: int, num_src: int, num_dst: int)
     """``batch`` copies of ``edge_index``, copy ``b`` offset by ``(b * num_src,
     b * num_dst)``, concatenated in batch order: ``[2, batch * E]`` (no cache;
     :func:`cached_batch_edge_index` caches it)."""
-    if type(edge_index) is not Tensor:  # EdgeIndex; its own ops break compile
-        edge_index = edge_index.as_subclass(Tensor)
+    edge_index = plain_edge_index(edge_index)  # EdgeIndex: its own ops break compile
     return torch.stack([_copies(edge_index[0], batch, num_src),
                         _copies(edge_index[1], batch, num_dst)])
 
@@ -262,11 +261,112 @@ def static_csr(edge_index: Tensor, num_src: int, num_dst: int) -> Optional[Graph
 def plain_edge_index(edge_index: Tensor) -> Tensor:
     """A plain tensor of ``edge_index``'s values: an
     :class:`~torch_geometric.EdgeIndex` keeps them in its ``as_tensor()``."""
+    if isinstance(edge_index, EdgeIndex):  # first: traced by torch.compile too
+        return edge_index.as_tensor()
     if type(edge_index) is Tensor:
         return edge_index
-    if hasattr(edge_index, "as_tensor"):
-        return edge_index.as_tensor()
     return edge_index.as_subclass(Tensor)
+
+
+# ---------------------------------------------------------------- EdgeIndex
+def _ptr(ptr: Tensor, num: int) -> Tensor:
+    """``ptr`` as int64 with ``num + 1`` entries: an :class:`EdgeIndex` whose
+    sparse size is smaller than the layer's node count (nodes past its largest
+    index have no edges) gets its last offset repeated."""
+    ptr = ptr.long()
+    extra = num + 1 - ptr.numel()
+    if extra > 0:
+        ptr = torch.cat([ptr, ptr[-1:].expand(extra)])
+    return ptr
+
+
+def _check_edge_index_size(edge_index: EdgeIndex, num_src: int, num_dst: int) -> None:
+    """An :class:`EdgeIndex`'s sparse size must fit the layer's nodes.
+
+    Its sparse size is trusted as PyG trusts it (a size not given is computed
+    once from the indices and kept by the EdgeIndex, one host sync); on the
+    host the indices are also checked on every call (no sync there, one pass
+    over the edges, as a verified hit of the plain-tensor cache costs). On a
+    device they are not: call :meth:`EdgeIndex.validate` to check them."""
+    rows, cols = edge_index.get_num_rows(), edge_index.get_num_cols()
+    if rows > num_src or cols > num_dst:
+        raise ValueError(f"the EdgeIndex's sparse size ({rows}, {cols}) exceeds the "
+                         f"layer's ({num_src} source, {num_dst} target) nodes")
+    if edge_index.device.type == "cpu":
+        check_range(edge_index.as_tensor(), num_src, num_dst)
+
+
+def edge_index_csr(edge_index: EdgeIndex, num_src: int, num_dst: int,
+                   batch: int = 0) -> GraphCSR:
+    """The :class:`GraphCSR` of a :class:`~torch_geometric.EdgeIndex`, from
+    the compressed forms the EdgeIndex itself computes and caches (its
+    ``get_csc()`` / ``get_csr()``), never from the process-wide cache.
+
+    - **Sorted by target** (``sort_order="col"``, PyG's CSC): the edges are
+      already in the operator's order (``perm`` is the identity); the
+      transposed part (edges grouped by source) is the EdgeIndex's cached
+      ``get_csr()``.
+    - **Sorted by source** (``sort_order="row"``, e.g. after
+      :func:`~torch_geometric.utils.coalesce`): the target-sorted order is its
+      cached ``get_csc()``, and its own order is the source-grouped one (its
+      ``indptr`` and the inverse permutation, one scatter a call).
+    - **Unsorted**: sorted by target on every call (``sort_by("col",
+      stable=True)``, as PyG's ops re-sort an unsorted EdgeIndex); sort it
+      once beforehand (``edge_index.sort_by("col")[0]``, with the edge
+      features permuted alike) to have the sort cached.
+
+    Each edge keeps its features and attention weight whatever the order
+    (``perm`` maps the sorted edges to the EdgeIndex's). Edges with the same
+    target follow the EdgeIndex's own sort, which PyG does not make stable,
+    where the plain-tensor path sorts stably: the sums over a target's edges
+    may then add in another order (equal up to floating-point rounding).
+    Under :func:`torch.compile` the CSR of its values is built in the graph
+    (:func:`build_csr`), as for a plain tensor.
+    """
+    data = plain_edge_index(edge_index)
+    if is_compiling():
+        g = build_csr(data, num_src, num_dst)
+        return batch_csr(g, batch, num_src, num_dst) if batch else g
+    _check_edge_index_size(edge_index, num_src, num_dst)
+    E = data.size(1)
+    if edge_index.is_sorted_by_row:
+        (colptr, col), perm = edge_index.get_csc()  # cached by the EdgeIndex
+        assert perm is not None
+        perm = perm.long()
+        row = data[1][perm]
+        rowptr_t = edge_index.get_indptr()  # its own order groups by source
+        perm_t = torch.empty_like(perm).scatter_(
+            0, perm, torch.arange(E, device=perm.device))
+        row_t = data[1]
+    else:
+        if edge_index.is_sorted_by_col:
+            by_dst, perm = edge_index, None
+        else:
+            by_dst, perm = edge_index.sort_by("col", stable=True)
+        colptr = by_dst.get_indptr()
+        sorted_data = plain_edge_index(by_dst)
+        col, row = sorted_data[0], sorted_data[1]
+        (rowptr_t, row_t), perm_t = by_dst.get_csr()  # cached by by_dst
+        assert perm_t is not None
+        perm = torch.arange(E, device=data.device) if perm is None else perm.long()
+    g = GraphCSR(_ptr(colptr, num_dst), col.long(), row.long(), perm,
+                 _ptr(rowptr_t, num_src), perm_t.long(), row_t.long())
+    return batch_csr(g, batch, num_src, num_dst) if batch else g
+
+
+def batch_edge_index_of(edge_index: EdgeIndex, batch: int, num_src: int,
+                        num_dst: int) -> Tensor:
+    """:func:`batch_edge_index` of an :class:`~torch_geometric.EdgeIndex`, as
+    an :class:`~torch_geometric.EdgeIndex` of ``(batch * num_src, batch *
+    num_dst)`` nodes with its sort order (the copies, in batch order, keep it)
+    for PyG's message passing; not cached (a plain tensor under
+    :func:`torch.compile`)."""
+    flat = batch_edge_index(edge_index, batch, num_src, num_dst)
+    if is_compiling():
+        return flat
+    return EdgeIndex(flat, sparse_size=(batch * num_src, batch * num_dst),
+                     sort_order=edge_index.sort_order,
+                     is_undirected=edge_index.is_undirected and num_src == num_dst)
 
 
 #: Default limit on the bytes the cache holds (its entries' index arrays).
@@ -413,6 +513,8 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
     attached to a static graph (:func:`attach_static_csr`) is used when there
     is one, else it is built in the graph.
     """
+    if isinstance(edge_index, EdgeIndex):
+        return edge_index_csr(edge_index, num_src, num_dst, batch)
     if is_compiling():
         g = static_csr(edge_index, num_src, num_dst)
         if g is None:
@@ -424,7 +526,11 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
 def cached_batch_edge_index(edge_index: Tensor, batch: int, num_src: int,
                             num_dst: int) -> Tensor:
     """:func:`batch_edge_index`, cached with the graph's CSRs (the same
-    identity, verification, range check and limits as :func:`graph_csr`)."""
+    identity, verification, range check and limits as :func:`graph_csr`).
+    An :class:`~torch_geometric.EdgeIndex` is not cached here: its copies are
+    an :class:`~torch_geometric.EdgeIndex` again (:func:`batch_edge_index_of`)."""
+    if isinstance(edge_index, EdgeIndex):
+        return batch_edge_index_of(edge_index, batch, num_src, num_dst)
     if is_compiling():
         return batch_edge_index(edge_index, batch, num_src, num_dst)
     edge_index = plain_edge_index(edge_index)

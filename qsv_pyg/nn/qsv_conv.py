@@ -39,7 +39,6 @@ from .csr import (
     cached_batch_edge_index,
     check_edge_index,
     graph_csr,
-    plain_edge_index,
     with_self_loops_and_attr,
 )
 from .qsv_kernel import distance_logits, qsv_attend, routing_logits
@@ -942,12 +941,13 @@ class QSVConv(MessagePassing):
         the graph's target-sorted order (not reordered: nobody reads it)."""
         H = self.heads
         C = x.size(-1) // H
-        edge_index = plain_edge_index(edge_index)
         n_src = x.size(-2)
         rotate = self.transport == "sandwich"
         use_abs = self.routing == "abs"
         B = x.size(0) if x.dim() == 3 else 1
         per_item = path == "attend_per_item"
+        # An EdgeIndex's CSR comes from its own cached CSC / CSR, a plain
+        # tensor's from the process-wide cache (qsv_pyg.nn.csr.graph_csr).
         graph = graph_csr(edge_index, n_src, num_dst, batch=B if per_item else 0)
         copies = B if per_item else 1
         # The base graph's sorted edges: the first copy's (batch_csr keeps copy 0's
