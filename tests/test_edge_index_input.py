@@ -272,3 +272,30 @@ def test_compile(sort):
     expected = conv(x, ei, ea)
     compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, ei, ea), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int32_edge_index():
+    N, E = 9, 30
+    conv = make()
+    x = torch.randn(N, 8, generator=gen(21), dtype=torch.float64)
+    plain = edges(N, E, seed=22)
+    for sort in SORTS:
+        ei, _ = as_edge_index(plain.int(), None, sort, (N, N))
+        assert ei.dtype == torch.int32
+        assert_same(call(conv, x, ei, None), call(conv, x, ei.as_tensor().long(), None))
+        clear_cache()
+
+
+def test_qsv_model_over_an_edge_index():
+    """PyG's BasicGNN loop (QSV) hands the EdgeIndex to every layer unchanged."""
+    from qsv_pyg.nn.models import QSV
+    N, E = 9, 30
+    torch.manual_seed(0)
+    model = QSV(8, 8, 2, out_channels=3, heads=2, edge_dim=2).double().eval()
+    g = gen(23)
+    x = torch.randn(N, 8, generator=g, dtype=torch.float64)
+    ei, ea = as_edge_index(edges(N, E, seed=24),
+                           torch.randn(E, 2, generator=g, dtype=torch.float64), "row", (N, N))
+    out = model(x, ei, edge_attr=ea)
+    assert cache_info()["entries"] == 0
+    torch.testing.assert_close(out, model(x, ei.as_tensor(), edge_attr=ea), **TOL)

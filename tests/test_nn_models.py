@@ -186,3 +186,65 @@ def test_to_hetero():
     out = model(data.x_dict, data.edge_index_dict)
     assert out["a"].shape == (6, 4) and out["b"].shape == (5, 4)
     out["a"].sum().backward()
+
+
+# ------------------------------------------- BasicGNN.forward, not a fork
+def test_forward_is_basic_gnn_forward(monkeypatch):
+    """QSV.forward runs PyG's own BasicGNN.forward (issue 31): the layer loop is
+    upstream's; quat / pos reach the layers by a forward pre-hook of each conv,
+    during the call only."""
+    from torch_geometric.nn.models.basic_gnn import BasicGNN
+    calls = []
+    orig = BasicGNN.forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(BasicGNN, "forward", spy)
+    x, ei = _graph()
+    q = random_unit_quaternion(12, 2, generator=torch.Generator().manual_seed(6))
+    pos = torch.randn(12, 3)
+    torch.manual_seed(0)
+    model = QSV(8, 8, 2, out_channels=3, heads=2, quat_source="given",
+                routing="geometric").eval()
+    out = model(x, ei, quat=q, pos=pos)
+    assert len(calls) == 1
+    expect = model.convs[1](model.convs[0](x, ei, quat=q, pos=pos).relu(), ei, quat=q,
+                            pos=pos)
+    torch.testing.assert_close(out, expect)
+    # Nothing is left behind: a layer called on its own gets no quaternions.
+    assert model._layer_inputs.quat is None and model._layer_inputs.pos is None
+    with pytest.raises(ValueError, match="needs"):
+        model.convs[0](x, ei)
+    # ... also after a failing call.
+    with pytest.raises(ValueError):
+        model(x, ei[:, :3].clone().fill_(99), quat=q, pos=pos)
+    assert model._layer_inputs.quat is None and model._layer_inputs.pos is None
+
+
+def test_deepcopy_and_pickle_keep_the_layer_inputs_hook():
+    import copy
+    import io
+    x, ei = _graph()
+    q = random_unit_quaternion(12, 2, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(0)
+    model = QSV(8, 8, 2, out_channels=3, heads=2, quat_source="given").eval()
+    out = model(x, ei, quat=q)
+    twin = copy.deepcopy(model)
+    assert twin._layer_inputs is not model._layer_inputs
+    assert twin.convs[0]._forward_pre_hooks[next(iter(twin.convs[0]._forward_pre_hooks))] \
+        is twin._layer_inputs
+    torch.testing.assert_close(twin(x, ei, quat=q), out)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x, ei, quat=q), out)
+
+
+def test_fx_tracing_with_quaternions_is_refused():
+    """Under torch.fx tracing the hook's inputs would not be recorded."""
+    model = QSV(8, 8, 2, quat_source="given")
+    with pytest.raises(NotImplementedError, match="torch.fx"):
+        torch.fx.symbolic_trace(model, concrete_args={"edge_weight": None})

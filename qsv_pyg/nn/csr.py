@@ -20,6 +20,13 @@ reads those buffers (:func:`static_csr`) instead of sorting again, and only
 the batch copies (:func:`batch_csr`: an ``arange`` and adds, no sort) are
 computed in the graph.
 
+A :class:`~torch_geometric.EdgeIndex` is not put in this cache: it caches its
+own compressed forms, and :func:`graph_csr` builds its CSR from them
+(:func:`edge_index_csr`: its ``get_csc()`` is the target-sorted order, its
+``get_csr()`` or its own row order the source-grouped one), so the sort lives
+and dies with the EdgeIndex, as in PyG's own layers. Its batch copies are an
+EdgeIndex again (:func:`batch_edge_index_of`), also uncached.
+
 What the cache (:func:`graph_csr`) guarantees:
 
 - **Never a stale graph on the host.** An entry is found by the tensor's
@@ -511,7 +518,9 @@ def graph_csr(edge_index: Tensor, num_src: int, num_dst: int, batch: int = 0) ->
     check. The arrays are normal (not inference) tensors, also when built
     under :func:`torch.inference_mode`. Under :func:`torch.compile` the CSR
     attached to a static graph (:func:`attach_static_csr`) is used when there
-    is one, else it is built in the graph.
+    is one, else it is built in the graph. An
+    :class:`~torch_geometric.EdgeIndex` bypasses the cache
+    (:func:`edge_index_csr`, from its own cached CSC / CSR).
     """
     if isinstance(edge_index, EdgeIndex):
         return edge_index_csr(edge_index, num_src, num_dst, batch)

@@ -704,9 +704,11 @@ class QSVConv(MessagePassing):
             x (torch.Tensor or (torch.Tensor, torch.Tensor or None)): The input
                 node features, or a (source, target) pair for bipartite graphs.
             edge_index (torch.Tensor or SparseTensor): The edge indices, an
-                :class:`~torch_geometric.EdgeIndex`, or a sparse adjacency
-                (``torch.sparse`` or ``SparseTensor``) in PyG's transposed
-                convention.
+                :class:`~torch_geometric.EdgeIndex` (whose own cached CSC / CSR
+                the operator then reads, sort it by ``"col"`` or ``"row"`` to
+                have it cached: :func:`qsv_pyg.nn.csr.edge_index_csr`), or a
+                sparse adjacency (``torch.sparse`` or ``SparseTensor``) in
+                PyG's transposed convention.
             edge_attr (torch.Tensor, optional): Edge features ``[E, edge_dim]``
                 (or ``[E]`` for ``edge_dim=1``), in the order of ``edge_index``
                 (the layer needs ``edge_dim``). A ``SparseTensor``'s values

@@ -5,6 +5,7 @@ import numbers
 from typing import Final, List, Optional, Tuple, Union
 
 import torch
+import torch.fx
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -23,6 +24,33 @@ def _check_positive_int(name: str, value: object) -> None:
     """A ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class _LayerInputs:
+    """The node-wise inputs of one :meth:`QSV.forward` call that PyG's
+    :meth:`BasicGNN.forward` does not pass to its layers (it calls
+    ``conv(x, edge_index, edge_attr=...)``): the quaternions and positions of
+    all nodes, set by :meth:`QSV.forward` for the duration of the call.
+
+    As a forward pre-hook of each :class:`QSVConv` it adds them as ``quat`` /
+    ``pos``, sliced to the layer's node count (``x.size(0)``: after trimming
+    by ``num_sampled_nodes_per_hop`` the nodes are a prefix); outside a
+    :meth:`QSV.forward` call (both :obj:`None`, e.g. a layer called on its
+    own or by ``inference_per_layer``) it adds nothing, and it never replaces
+    a ``quat`` / ``pos`` the caller passed."""
+    def __init__(self):
+        self.quat: OptTensor = None
+        self.pos: OptTensor = None
+
+    def __call__(self, conv, args: tuple, kwargs: dict):
+        if self.quat is None and self.pos is None:
+            return None
+        n = args[0].size(0) if args else kwargs["x"].size(0)
+        if self.quat is not None and kwargs.get("quat") is None:
+            kwargs["quat"] = self.quat[:n]
+        if self.pos is not None and kwargs.get("pos") is None:
+            kwargs["pos"] = self.pos[:n]
+        return args, kwargs
 
 
 class QSV(BasicGNN):
@@ -138,6 +166,11 @@ class QSV(BasicGNN):
         else:
             self.register_parameter("quat_field", None)
         self._reset_field()
+        # The per-call node inputs of the layers (see forward): one object, read
+        # by a forward pre-hook of every layer (copied with the model by deepcopy).
+        self._layer_inputs = _LayerInputs()
+        for conv in self.convs:
+            conv.register_forward_pre_hook(self._layer_inputs, with_kwargs=True)
 
     def init_conv(self, in_channels: Union[int, Tuple[int, int]], out_channels: int,
                   **kwargs) -> MessagePassing:
@@ -195,7 +228,7 @@ class QSV(BasicGNN):
                              f"quaternion per node ([N, 4] or [N, heads, 4])")
         return quat
 
-    def forward(  # noqa: C901 (BasicGNN.forward plus quaternions/positions)
+    def forward(
         self,
         x: Tensor,
         edge_index: Adj,
@@ -227,6 +260,20 @@ class QSV(BasicGNN):
         ``edge_dim=1``). With ``num_sampled_nodes_per_hop`` the node-wise
         ``quat``, ``pos`` and field rows, and the edge features, are trimmed
         with the features and edges.
+
+        The layer loop is PyG's own :meth:`BasicGNN.forward` (trimming, norms,
+        activations, dropout, ``jk``, the final linear map), not a copy of it.
+        It calls each layer as ``conv(x, edge_index, edge_attr=edge_attr)``:
+        the node-wise ``quat`` and ``pos`` reach the layers through a forward
+        pre-hook of each :class:`QSVConv` (:class:`_LayerInputs`), which adds
+        them, sliced to the layer's (trimmed) node count ``x.size(0)``, for the
+        duration of this call only. The one thing this cannot do is
+        :func:`torch.fx` tracing (PyG's ``to_hetero``): a traced layer call
+        records only the arguments ``BasicGNN.forward`` passes, and the
+        hook's additions are not part of the graph; tracing is refused when
+        there are quaternions to pass (``quat_source`` other than
+        ``"features"``; the features source, the common ``to_hetero`` case,
+        traces as before).
         """
         # isinstance, not `is not None`: under torch.fx tracing (to_hetero) the
         # unused optional inputs are proxies.
@@ -239,33 +286,22 @@ class QSV(BasicGNN):
         if not isinstance(edge_attr, Tensor):
             edge_attr = None
         q_all = self._layer_quat(quat, node_id, x.size(0))
-        xs: List[Tensor] = []
-        for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
-            if num_sampled_nodes_per_hop is not None:
-                x, edge_index, edge_attr = self._trim(i, num_sampled_nodes_per_hop,
-                                                      num_sampled_edges_per_hop, x,
-                                                      edge_index, edge_attr)
-            # Trimming keeps a prefix of the nodes, so the node-wise inputs are
-            # sliced to the current node count.
-            n = x.size(0)
-            q = None if q_all is None else q_all[:n]
-            p = pos[:n] if isinstance(pos, Tensor) else None
-            x = conv(x, edge_index, edge_attr=edge_attr, quat=q, pos=p)
-            if i < self.num_layers - 1 or self.jk_mode is not None:
-                if self.act is not None and self.act_first:
-                    x = self.act(x)
-                if self.supports_norm_batch:
-                    x = norm(x, batch, batch_size)
-                else:
-                    x = norm(x)
-                if self.act is not None and not self.act_first:
-                    x = self.act(x)
-                x = self.dropout(x)
-                if hasattr(self, "jk"):
-                    xs.append(x)
-        x = self.jk(xs) if hasattr(self, "jk") else x
-        x = self.lin(x) if hasattr(self, "lin") else x
-        return x
+        pos = pos if isinstance(pos, Tensor) else None
+        if q_all is not None and torch.fx._symbolic_trace.is_fx_tracing():
+            raise NotImplementedError(
+                f"QSV with quat_source={self.quat_source!r} cannot be traced by "
+                f"torch.fx (to_hetero): the quaternions reach the layers through a "
+                f"forward pre-hook, which a traced layer call does not record; use "
+                f"quat_source='features'")
+        inputs = self._layer_inputs
+        inputs.quat, inputs.pos = q_all, pos
+        try:
+            return super().forward(x, edge_index, edge_attr=edge_attr, batch=batch,
+                                   batch_size=batch_size,
+                                   num_sampled_nodes_per_hop=num_sampled_nodes_per_hop,
+                                   num_sampled_edges_per_hop=num_sampled_edges_per_hop)
+        finally:
+            inputs.quat = inputs.pos = None
 
     @torch.no_grad()
     def inference_per_layer(self, layer: int, x: Tensor, edge_index: Adj,
