@@ -895,7 +895,7 @@ def test_forward_errors(random_graph):
     bad[1, 2], bad[2, 3] = float("inf"), float("-inf")
     with pytest.raises(ValueError, match="non-finite node features"):
         conv(bad, ei)
-    from qsv_pyg.nn.qsv_conv import _check_finite
+    from qsv_pyg.nn.checks import check_finite as _check_finite
     big = torch.full((64, 8), 3e38)
     assert not torch.isfinite(big.sum())
     _check_finite(big, "node features")  # finite entries: no error
