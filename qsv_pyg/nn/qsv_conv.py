@@ -1,11 +1,14 @@
 """QSVConv: quaternion graph attention as a PyG ``MessagePassing`` layer.
 
-The layer in one file, read top to bottom: options, set-up and state dicts,
-where the node quaternions come from (``quat_source``; its names are in
-:mod:`qsv_pyg.nn.quat_sources`), the checks of a call, the choice of path,
-``forward``, the fast path (the registered operator of
-:mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR, :mod:`qsv_pyg.nn.csr`)
-and PyG message passing. Both paths take the routing logit from
+The layer, read top to bottom: options, set-up and state dicts, the checks of
+a call, the choice of path, ``forward``, the fast path (the registered operator
+of :mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR,
+:mod:`qsv_pyg.nn.csr`) and PyG message passing. Two ideas have their own
+files, joined as mixins: where the node quaternions come from
+(``quat_source``, :class:`~qsv_pyg.nn.quat_sources.QuatSourceMixin`) and the
+edge features with the other per-edge logit terms
+(:class:`~qsv_pyg.nn.edge_features.EdgeFeaturesMixin`); the argument checks
+are :mod:`qsv_pyg.nn.checks`. Both paths take the routing logit from
 :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`; :mod:`qsv_pyg.nn.reference`
 keeps the literal per-edge formula.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 import typing
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -49,8 +53,30 @@ else:
 
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
-#: ``"always"``: a deprecated synonym of ``"auto"``, accepted for old code.
+#: The values of ``fused_path``.
+FUSED_PATHS = ("auto", "never")
+#: The values of ``dense_path``, ``fused_path``'s deprecated name: ``"always"``
+#: is a deprecated synonym of ``"auto"`` (:func:`_from_dense_path`).
 DENSE_PATHS = ("auto", "always", "never")
+
+
+def _fused_path(value: str) -> str:
+    """``value`` if ``fused_path`` takes it, else a ValueError."""
+    if value == "always":
+        raise ValueError("fused_path='always' is not supported: 'auto' takes the fused "
+                         "path whenever the call allows ('always' was a deprecated "
+                         "synonym of 'auto' under the old name dense_path)")
+    return check_option("fused_path", value, FUSED_PATHS)
+
+
+def _from_dense_path(value: str, stacklevel: int = 3) -> str:
+    """The ``fused_path`` of an old ``dense_path`` value, with a
+    DeprecationWarning (``"always"`` is read as ``"auto"``)."""
+    check_option("dense_path", value, DENSE_PATHS)
+    note = "; its value 'always' is 'auto'" if value == "always" else ""
+    warnings.warn(f"QSVConv: dense_path is deprecated, use fused_path{note}",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return "auto" if value == "always" else value
 
 
 #: The aggregations of :meth:`QSVConv.choose_path`.
@@ -168,11 +194,10 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
             created). ``"composed"`` (old spelling ``"both"``): ``quat ⊗ q(x)``,
             a given field composed with the feature quaternion.
             (default: :obj:`"auto"`)
-        dense_path (str, optional): ``"auto"`` takes the fast path whenever the
-            call allows; ``"never"`` always uses message passing (for
-            comparisons). ``"always"`` is a deprecated synonym of ``"auto"``,
-            still accepted for old code (it once required a fixed-degree
-            graph; every graph has the fast path now). (default: :obj:`"auto"`)
+        fused_path (str, optional): ``"auto"`` takes the fused path (the
+            registered operator, :meth:`choose_path`) whenever the call allows;
+            ``"never"`` always uses message passing (for comparisons).
+            (default: :obj:`"auto"`)
         check_finite (bool or str, optional): Raise :class:`ValueError` on
             non-finite features, quaternions, positions or temperatures
             :math:`\beta_h`. This costs one reduction per input and, on a
@@ -208,6 +233,11 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
             projected features with ``project_input``) to the logit, GAT's
             source half: a neighbour scored on its own. Off: the paper's layer.
             (default: :obj:`False`)
+        dense_path (str, optional): Deprecated name of ``fused_path`` (for
+            old code; also as an attribute), taken with a
+            :class:`DeprecationWarning`; its value ``"always"`` (which once
+            required a fixed-degree graph) is read as ``"auto"``.
+            ``fused_path`` itself refuses ``"always"``. (default: :obj:`None`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -243,12 +273,13 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         project_input: bool = False,
         bias: bool = True,
         quat_source: str = "auto",
-        dense_path: str = "auto",
+        fused_path: str = "auto",
         check_finite: Union[bool, str] = "auto",
         edge_dim: Optional[int] = None,
         fill_value: Union[float, Tensor, str] = "mean",
         edge_message: bool = False,
         source_logit: bool = False,
+        dense_path: Optional[str] = None,
         **kwargs,
     ):
         kwargs.setdefault("aggr", "add")
@@ -276,7 +307,11 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         self.root_weight = root_weight
         self.project_input = project_input
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
-        self.dense_path = check_option("dense_path", dense_path, DENSE_PATHS)
+        if dense_path is not None:
+            if fused_path != "auto":
+                raise ValueError("pass fused_path only (dense_path is its deprecated name)")
+            fused_path = _from_dense_path(dense_path)
+        self.fused_path = _fused_path(fused_path)
         if not (check_finite is True or check_finite is False or check_finite == "auto"):
             raise ValueError(f"check_finite must be True, False or 'auto', got "
                              f"{check_finite!r}")
@@ -401,6 +436,17 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         r"""The per-head routing temperatures :math:`\beta_h` (shape ``[heads]``)."""
         return self.log_beta.exp()
 
+    @property
+    def dense_path(self) -> str:
+        """Deprecated name of ``fused_path`` (with a DeprecationWarning)."""
+        warnings.warn("QSVConv: dense_path is deprecated, use fused_path",
+                      DeprecationWarning, stacklevel=2)
+        return self.fused_path
+
+    @dense_path.setter
+    def dense_path(self, value: str) -> None:
+        self.fused_path = _from_dense_path(value, stacklevel=4)  # via Module.__setattr__
+
     # -------------------------------------------------------- call checks
     def _checks_finite(self, t: Tensor) -> bool:
         """Whether this call checks finiteness (``check_finite``; never under
@@ -470,7 +516,7 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         """:meth:`choose_path`'s path and its reason, in words.
 
         ``"message_passing"`` (PyG's ``propagate``, the literal softmax) for what
-        the operator does not do: ``dense_path="never"``, sparse adjacencies,
+        the operator does not do: ``fused_path="never"``, sparse adjacencies,
         explainers (PyG's public ``explain``) and PyG's message-passing hooks.
         Else the operator: ``"attend_per_item"`` over ``B`` disjoint copies of
         the graph when a ``[B, N, C]`` input's weights differ per item (feature
@@ -480,8 +526,8 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         The operator's implementation is
         :func:`qsv_pyg.nn.qsv_kernel.backend`'s choice.
         """
-        if self.dense_path == "never":
-            return "message_passing", "dense_path='never'"
+        if self.fused_path == "never":
+            return "message_passing", "fused_path='never'"
         if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
             return "message_passing", "a sparse adjacency (SparseTensor or torch.sparse)"
         if self.explain:
