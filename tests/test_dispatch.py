@@ -46,8 +46,23 @@ def test_attention_dropout_takes_the_fast_path():
 
 def test_never_forces_message_passing_and_always_is_auto():
     x, q = torch.randn(3, 8), torch.randn(3, 2, 4)
-    assert call(QSVConv(8, 4, heads=2, dense_path="never"), x, q) == "message_passing"
-    assert call(QSVConv(8, 4, heads=2, dense_path="always"), x, q) == "attend_shared"
+    assert call(QSVConv(8, 4, heads=2, fused_path="never"), x, q) == "message_passing"
+    assert call(QSVConv(8, 4, heads=2), x, q) == "attend_shared"
+    # dense_path, the old name, still works with a DeprecationWarning; its
+    # "always" is "auto" (fused_path itself refuses "always").
+    with pytest.warns(DeprecationWarning, match="dense_path is deprecated"):
+        old = QSVConv(8, 4, heads=2, dense_path="never")
+    assert old.fused_path == "never" and call(old, x, q) == "message_passing"
+    with pytest.warns(DeprecationWarning, match="'always' is 'auto'"):
+        old = QSVConv(8, 4, heads=2, dense_path="always")
+    assert old.fused_path == "auto" and call(old, x, q) == "attend_shared"
+    with pytest.warns(DeprecationWarning):
+        assert old.dense_path == "auto"
+    with pytest.warns(DeprecationWarning):
+        old.dense_path = "never"
+    assert old.fused_path == "never"
+    with pytest.raises(ValueError, match="fused_path='always' is not supported"):
+        QSVConv(8, 4, fused_path="always")
 
 
 def test_sparse_adjacency_uses_message_passing():
@@ -88,8 +103,8 @@ def test_every_pyg_hook_uses_message_passing(register):
 
 def test_the_reasons_are_named():
     x, ei = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2]])
-    assert QSVConv(8, 4, dense_path="never").path_reason(x, None, ei) == \
-        ("message_passing", "dense_path='never'")
+    assert QSVConv(8, 4, fused_path="never").path_reason(x, None, ei) == \
+        ("message_passing", "fused_path='never'")
     assert "dropout" in QSVConv(8, 4, dropout=0.5).train().path_reason(
         torch.randn(2, 3, 8), None, ei)[1]
     conv = QSVConv(8, 4)

@@ -102,7 +102,7 @@ def test_both_paths_match_the_literal_formula(config, routing, transport, monkey
     ref, ref_alpha = qsv_conv_reference(conv, x, ei, pos=pos, edge_attr=ea)
     torch.testing.assert_close(out, ref, **TOL64)
     torch.testing.assert_close(alpha, ref_alpha, **TOL64)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     out_mp, alpha_mp = run(conv, x, ei, ea, pos=pos)
     torch.testing.assert_close(out_mp, ref, **TOL64)
     torch.testing.assert_close(alpha_mp, ref_alpha, **TOL64)
@@ -146,7 +146,7 @@ def test_bipartite_inputs_with_edge_features(monkeypatch):
     ref, ref_alpha = qsv_conv_reference(conv, (xs, xd), ei, edge_attr=ea)
     torch.testing.assert_close(out, ref, **TOL64)
     torch.testing.assert_close(alpha, ref_alpha, **TOL64)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     torch.testing.assert_close(run(conv, (xs, xd), ei, ea)[0], ref, **TOL64)
     # given quaternions and no target features (x_dst None, quat pair)
     conv = make((10, 6), heads=2, edge_dim=3, edge_message=True, quat_source="given",
@@ -181,7 +181,7 @@ def test_batched_static_graph_with_edge_features(quat_kind, monkeypatch):
     assert paths == ["attend_per_item" if per_item else "attend_shared"]
     for b in range(B):
         torch.testing.assert_close(out[b], conv(x[b], ei, ea, quat=q), **TOL64)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     torch.testing.assert_close(conv(x, ei, ea, quat=q), out, **TOL64)
 
 
@@ -379,7 +379,7 @@ def test_source_logit_is_off_by_default_and_scores_sources():
         conv.lin_source.weight.zero_()
         conv.lin_source.weight[:, 0] = 50.0  # node 2's score: 50 per head
     for path in ("auto", "never"):
-        conv.dense_path = path
+        conv.fused_path = path
         _, (_, alpha) = conv(x, ei, return_attention_weights=True)
         assert (alpha[ei[0] == 2] > 0.99).all()
 
@@ -390,7 +390,7 @@ def test_source_logit_gradient_on_the_fast_path(monkeypatch):
     ei = edges(7, 16, seed=26)
     out = run(conv, x, ei, None, monkeypatch)[0]
     (g_fast, ) = torch.autograd.grad(out.pow(2).sum(), conv.lin_source.weight)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     (g_mp, ) = torch.autograd.grad(conv(x, ei).pow(2).sum(), conv.lin_source.weight)
     assert g_fast.abs().sum() > 0
     torch.testing.assert_close(g_fast, g_mp, **TOL64)
@@ -465,7 +465,7 @@ def test_geometric_routing_is_exact_wherever_the_cloud_sits(shift, beta):
     _, (_, fast) = conv(x, ei, pos=pos, return_attention_weights=True)
     conv64 = copy.deepcopy(conv).double()
     _, (_, exact) = conv64(x.double(), ei, pos=pos.double(), return_attention_weights=True)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     _, (_, mp) = conv(x, ei, pos=pos, return_attention_weights=True)
     assert (fast.double() - exact).abs().max() < 1e-5
     assert (fast - mp).abs().max() < 1e-5
@@ -545,7 +545,7 @@ def test_geometric_routing_gradients_of_positions_and_beta(monkeypatch):
     ea = torch.randn(18, 2, generator=gen(48), dtype=torch.float64)
     grads = []
     for path in ("auto", "never"):
-        conv.dense_path = path
+        conv.fused_path = path
         out = conv(x, ei, ea, pos=pos) if path == "never" else \
             run(conv, x, ei, ea, monkeypatch, pos=pos)[0]
         grads.append(torch.autograd.grad(out.pow(2).sum(), (pos, conv.log_beta)))
@@ -566,7 +566,7 @@ def test_a_bfloat16_layer_runs_on_both_paths(edge):
     ei = edges(6, 14, seed=50)
     ea = torch.randn(14, 2, generator=gen(51)).bfloat16() if edge else None
     fast = conv(x, ei, ea)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     mp = conv(x, ei, ea)
     assert fast.dtype == mp.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), mp.float(), rtol=5e-2, atol=5e-2)

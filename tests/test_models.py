@@ -339,7 +339,7 @@ def test_fast_path_is_used_and_matches_message_passing(images, monkeypatch):
 
     scatter = copy.deepcopy(model)
     for conv in scatter.qsv_convs().values():
-        conv.dense_path = "never"
+        conv.fused_path = "never"
     calls.clear()
     ref = scatter(images)
     assert calls == []

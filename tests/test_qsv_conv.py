@@ -210,14 +210,16 @@ def test_fast_path_matches_message_passing(routing, transport, mode, graph_kind,
         quat = None
     weight = torch.randn(*x.shape[:-1], 3 * H, generator=gen(8))
     calls = spy_fast(conv, monkeypatch)
-    conv.dense_path = "auto"
+    conv.fused_path = "auto"
     fast = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
     per_item = mode in ("batched_per_item", "batched_features")
     assert calls == ["attend_per_item" if per_item else "attend_shared"]
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     scatter = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
     assert len(calls) == 1
-    conv.dense_path = "always"  # a synonym of "auto" now
+    with pytest.warns(DeprecationWarning, match="dense_path is deprecated"):
+        conv.dense_path = "always"  # the old name; its "always" is "auto"
+    assert conv.fused_path == "auto"
     always = _run_with_grads(conv, x, graph.edge_index, quat, pos, weight)
     assert len(calls) == 2
 
@@ -279,9 +281,9 @@ def test_batched_equals_stacked(routing, graph_kind, quat_kind, self_loops, rand
     close(alpha, torch.stack([a for _, (_, a) in items]))
 
 
-@pytest.mark.parametrize("dense_path", ["auto", "never"])
-def test_batched_dropout_independent_per_item(dense_path, knn_graph):
-    conv = make_conv(16, 3, 2, dropout=0.5, dense_path=dense_path).train()
+@pytest.mark.parametrize("fused_path", ["auto", "never"])
+def test_batched_dropout_independent_per_item(fused_path, knn_graph):
+    conv = make_conv(16, 3, 2, dropout=0.5, fused_path=fused_path).train()
     x, quat, _ = inputs(knn_graph.num_nodes, 16, 2, seed=30, batch=4)
     torch.manual_seed(0)
     _, (_, alpha) = conv(x, knn_graph.edge_index, quat=quat[0],
@@ -724,14 +726,14 @@ def test_learned_beta_gets_gradient(random_graph):
 
 
 # ------------------------------------------------------------ torch.compile
-@pytest.mark.parametrize("dense_path", ["never", "always", "auto"])
+@pytest.mark.parametrize("fused_path", ["never", "auto"])
 @pytest.mark.parametrize("case", ["learned_given", "geometric_features", "batched",
                                   "batched_shared"])
-def test_compile_no_graph_breaks(case, dense_path, knn_graph):
+def test_compile_no_graph_breaks(case, fused_path, knn_graph):
     import torch._dynamo
     torch._dynamo.reset()
     routing = "geometric" if case == "geometric_features" else "learned"
-    conv = make_conv(16, 3, 2, routing=routing, dense_path=dense_path)
+    conv = make_conv(16, 3, 2, routing=routing, fused_path=fused_path)
     N = knn_graph.num_nodes
     x, quat, pos = inputs(N, 16, 2, seed=28,
                           batch=2 if case.startswith("batched") else None)
@@ -747,7 +749,7 @@ def test_compile_no_graph_breaks(case, dense_path, knn_graph):
 def test_compile_inductor(knn_graph):
     import torch._dynamo
     torch._dynamo.reset()
-    conv = make_conv(16, 3, 2, dense_path="always")
+    conv = make_conv(16, 3, 2, fused_path="auto")
     x, quat, _ = inputs(knn_graph.num_nodes, 16, 2, seed=29)
     expected = conv(x, knn_graph.edge_index, quat=quat)
     compiled = torch.compile(conv, fullgraph=True)
@@ -839,8 +841,14 @@ def test_to_hetero():
      "transport='rotate'.*'sandwich', 'identity'"),
     (dict(in_channels=8, out_channels=4, quat_source="pos"),
      "quat_source='pos'.*'auto', 'features', 'given', 'composed'"),
+    (dict(in_channels=8, out_channels=4, fused_path="sometimes"),
+     "fused_path='sometimes'.*'auto', 'never'"),
+    (dict(in_channels=8, out_channels=4, fused_path="always"),
+     "fused_path='always' is not supported: 'auto' takes the fused path"),
     (dict(in_channels=8, out_channels=4, dense_path="sometimes"),
      "dense_path='sometimes'.*'auto', 'always', 'never'"),
+    (dict(in_channels=8, out_channels=4, fused_path="never", dense_path="never"),
+     "pass fused_path only"),
     (dict(in_channels=8, out_channels=4, beta_init=0.0), "beta_init"),
     (dict(in_channels=8, out_channels=4, beta_init=-1.0), "beta_init"),
     (dict(in_channels=8, out_channels=4, beta_init=math.inf), "beta_init"),
@@ -895,7 +903,7 @@ def test_forward_errors(random_graph):
     bad[1, 2], bad[2, 3] = float("inf"), float("-inf")
     with pytest.raises(ValueError, match="non-finite node features"):
         conv(bad, ei)
-    from qsv_pyg.nn.qsv_conv import _check_finite
+    from qsv_pyg.nn.checks import check_finite as _check_finite
     big = torch.full((64, 8), 3e38)
     assert not torch.isfinite(big.sum())
     _check_finite(big, "node features")  # finite entries: no error
@@ -1069,7 +1077,7 @@ def test_project_input_fast_path_matches_message_passing(routing, knn_graph):
     conv = make_conv(10, 6, 2, routing=routing, project_input=True, dtype=torch.float64)
     x, _, pos = inputs(knn_graph.num_nodes, 10, 2, dtype=torch.float64, seed=44)
     fast = conv(x, knn_graph.edge_index, pos=pos)
-    conv.dense_path = "never"
+    conv.fused_path = "never"
     close(fast, conv(x, knn_graph.edge_index, pos=pos), torch.float64)
     # It is the plain layer applied to P x (with the root weight on the raw x).
     plain = make_conv(16, 6, 2, routing=routing, dtype=torch.float64, root_weight=False)

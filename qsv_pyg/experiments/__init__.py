@@ -6,8 +6,10 @@
   wall-clock budget, reusing finished runs and resuming interrupted ones.
 * :mod:`~qsv_pyg.experiments.launch`: starts one training run (a fresh
   interpreter by default) and collects its output.
+* :mod:`~qsv_pyg.experiments.run_reader`: reads and checks the run folders of
+  a table into one summary.
 * :mod:`~qsv_pyg.experiments.report`: ``table.md``, ``table.csv``,
-  ``results.json``, ``accuracy.png`` and ``beta_probe.png`` from the runs.
+  ``results.json``, ``accuracy.png`` and ``beta_probe.png`` from the summary.
 * :mod:`~qsv_pyg.experiments.cli`: the command line of ``examples/reproduce.py``.
 
 Command line: ``python examples/reproduce.py --help``.

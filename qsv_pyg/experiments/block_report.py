@@ -56,7 +56,7 @@ def block_costs(summary: Dict[str, Any]) -> Dict[str, Any]:
     """Per block variant: accuracy of every kernel setting and each switch's cost.
 
     Args:
-        summary: :func:`~qsv_pyg.experiments.report.collect` of the block table.
+        summary: :func:`~qsv_pyg.experiments.run_reader.collect` of the block table.
 
     Returns:
         ``{"variants": [...], "paper": PAPER_COSTS, "statistics": ...}``; each

@@ -9,7 +9,7 @@ final evaluation at ``T``. This module turns the runs of one table into
 * ``budget_curve.png``: accuracy against budget minutes, one colour per row and
   one line per seed (first seed solid, the next dashed).
 
-It reads only what :func:`qsv_pyg.experiments.report.collect` gathered.
+It reads only what :func:`qsv_pyg.experiments.run_reader.collect` gathered.
 """
 from __future__ import annotations
 

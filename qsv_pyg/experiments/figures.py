@@ -2,7 +2,7 @@
 
 ``matplotlib`` is imported inside the functions, so reading and tabulating
 results works without it. Both take the summary of
-:func:`qsv_pyg.experiments.report.collect`.
+:func:`qsv_pyg.experiments.run_reader.collect`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
 """QSVConv: quaternion graph attention as a PyG ``MessagePassing`` layer.
 
-The layer in one file, read top to bottom: options, set-up and state dicts,
-where the node quaternions come from (``quat_source``; its names are in
-:mod:`qsv_pyg.nn.quat_sources`), the checks of a call, the choice of path,
-``forward``, the fast path (the registered operator of
-:mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR, :mod:`qsv_pyg.nn.csr`)
-and PyG message passing. Both paths take the routing logit from
+The layer, read top to bottom: options, set-up and state dicts, the checks of
+a call, the choice of path, ``forward``, the fast path (the registered operator
+of :mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR,
+:mod:`qsv_pyg.nn.csr`) and PyG message passing. Two ideas have their own
+files, joined as mixins: where the node quaternions come from
+(``quat_source``, :class:`~qsv_pyg.nn.quat_sources.QuatSourceMixin`) and the
+edge features with the other per-edge logit terms
+(:class:`~qsv_pyg.nn.edge_features.EdgeFeaturesMixin`); the argument checks
+are :mod:`qsv_pyg.nn.checks`. Both paths take the routing logit from
 :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`; :mod:`qsv_pyg.nn.reference`
 keeps the literal per-edge formula.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 import typing
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -29,20 +33,17 @@ from torch_geometric.typing import Adj, OptTensor, Size, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor, softmax
 from torch_geometric.utils.sparse import set_sparse_value
 
-from ..quaternion import (
-    hamilton_product,
-    matrix_rotate_blocks,
-    quaternion_to_matrix,
-    unit_quaternion,
-)
+from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
+from .checks import check_finite, check_float, check_option
 from .csr import (
     cached_batch_edge_index,
     check_edge_index,
     graph_csr,
     with_self_loops_and_attr,
 )
+from .edge_features import EdgeFeaturesMixin
 from .qsv_kernel import distance_logits, qsv_attend, routing_logits
-from .quat_sources import resolve_quat_source
+from .quat_sources import QuatSourceMixin, resolve_quat_source
 
 if typing.TYPE_CHECKING:
     from typing import overload
@@ -51,15 +52,30 @@ else:
 
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
-#: ``"always"``: a deprecated synonym of ``"auto"``, accepted for old code.
+#: The values of ``fused_path``.
+FUSED_PATHS = ("auto", "never")
+#: The values of ``dense_path``, ``fused_path``'s deprecated name: ``"always"``
+#: is a deprecated synonym of ``"auto"`` (:func:`_from_dense_path`).
 DENSE_PATHS = ("auto", "always", "never")
 
 
-def _check_option(name: str, value: str, choices: Tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported; choose one of "
-                         f"{', '.join(repr(c) for c in choices)}")
-    return value
+def _fused_path(value: str) -> str:
+    """``value`` if ``fused_path`` takes it, else a ValueError."""
+    if value == "always":
+        raise ValueError("fused_path='always' is not supported: 'auto' takes the fused "
+                         "path whenever the call allows ('always' was a deprecated "
+                         "synonym of 'auto' under the old name dense_path)")
+    return check_option("fused_path", value, FUSED_PATHS)
+
+
+def _from_dense_path(value: str, stacklevel: int = 3) -> str:
+    """The ``fused_path`` of an old ``dense_path`` value, with a
+    DeprecationWarning (``"always"`` is read as ``"auto"``)."""
+    check_option("dense_path", value, DENSE_PATHS)
+    note = "; its value 'always' is 'auto'" if value == "always" else ""
+    warnings.warn(f"QSVConv: dense_path is deprecated, use fused_path{note}",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return "auto" if value == "always" else value
 
 
 #: The aggregations of :meth:`QSVConv.choose_path`.
@@ -73,30 +89,6 @@ _PYG_HOOKS = tuple(f"_{step}_forward{kind}_hooks" for step in (
     for kind in ("_pre", ""))
 
 
-# ------------------------------------------------------------ input checks
-# Every check raises ValueError naming the argument and what was wrong, so that
-# a bad call never surfaces as an opaque torch error deep inside the aggregation.
-def _check_float(t: Optional[Tensor], name: str) -> None:
-    if t is not None and not t.is_floating_point():
-        raise ValueError(f"QSVConv: {name} must be a floating-point tensor, got {t.dtype}")
-
-
-def _check_finite(t: Optional[Tensor], name: str) -> None:
-    """Raise on NaN or infinite entries (one reduction and a host sync).
-
-    A finite sum proves every entry finite: a NaN or an infinity anywhere makes
-    the sum NaN or infinite. Only a non-finite sum, which large finite entries can
-    also overflow to, takes the exact elementwise test (one kernel instead of
-    four on the common path)."""
-    if t is None:
-        return
-    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    if bool(torch.isfinite(total)):
-        return
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"QSVConv received non-finite {name}")
-
-
 def _flat_batch(t: OptTensor, batch: int) -> OptTensor:
     """Per-item ``[B, N, H, *]`` (4-D) or shared ``[N, *]`` -> ``[B * N, *]``:
     node rows of ``batch`` disjoint copies of a graph."""
@@ -106,7 +98,7 @@ def _flat_batch(t: OptTensor, batch: int) -> OptTensor:
     return t.reshape(batch * t.size(1), *t.shape[2:])
 
 
-class QSVConv(MessagePassing):
+class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
     r"""Quaternion graph attention from Quat-Sphere-Vision (QSV).
 
     Every node carries one unit quaternion per head, :math:`q_i^{(h)}`, in place
@@ -201,11 +193,10 @@ class QSVConv(MessagePassing):
             created). ``"composed"`` (old spelling ``"both"``): ``quat ⊗ q(x)``,
             a given field composed with the feature quaternion.
             (default: :obj:`"auto"`)
-        dense_path (str, optional): ``"auto"`` takes the fast path whenever the
-            call allows; ``"never"`` always uses message passing (for
-            comparisons). ``"always"`` is a deprecated synonym of ``"auto"``,
-            still accepted for old code (it once required a fixed-degree
-            graph; every graph has the fast path now). (default: :obj:`"auto"`)
+        fused_path (str, optional): ``"auto"`` takes the fused path (the
+            registered operator, :meth:`choose_path`) whenever the call allows;
+            ``"never"`` always uses message passing (for comparisons).
+            (default: :obj:`"auto"`)
         check_finite (bool or str, optional): Raise :class:`ValueError` on
             non-finite features, quaternions, positions or temperatures
             :math:`\beta_h`. This costs one reduction per input and, on a
@@ -241,6 +232,11 @@ class QSVConv(MessagePassing):
             projected features with ``project_input``) to the logit, GAT's
             source half: a neighbour scored on its own. Off: the paper's layer.
             (default: :obj:`False`)
+        dense_path (str, optional): Deprecated name of ``fused_path`` (for
+            old code; also as an attribute), taken with a
+            :class:`DeprecationWarning`; its value ``"always"`` (which once
+            required a fixed-degree graph) is read as ``"auto"``.
+            ``fused_path`` itself refuses ``"always"``. (default: :obj:`None`)
         **kwargs (optional): Additional arguments of
             :class:`torch_geometric.nn.conv.MessagePassing`.
 
@@ -276,12 +272,13 @@ class QSVConv(MessagePassing):
         project_input: bool = False,
         bias: bool = True,
         quat_source: str = "auto",
-        dense_path: str = "auto",
+        fused_path: str = "auto",
         check_finite: Union[bool, str] = "auto",
         edge_dim: Optional[int] = None,
         fill_value: Union[float, Tensor, str] = "mean",
         edge_message: bool = False,
         source_logit: bool = False,
+        dense_path: Optional[str] = None,
         **kwargs,
     ):
         kwargs.setdefault("aggr", "add")
@@ -300,8 +297,8 @@ class QSVConv(MessagePassing):
         self.out_channels = out_channels
         self.heads = heads
         self.concat = concat
-        self.routing = _check_option("routing", routing, ROUTINGS)
-        self.transport = _check_option("transport", transport, TRANSPORTS)
+        self.routing = check_option("routing", routing, ROUTINGS)
+        self.transport = check_option("transport", transport, TRANSPORTS)
         self.beta_init = float(beta_init)
         self.learn_beta = learn_beta
         self.dropout = dropout
@@ -309,22 +306,16 @@ class QSVConv(MessagePassing):
         self.root_weight = root_weight
         self.project_input = project_input
         self.quat_source = resolve_quat_source(quat_source, "QSVConv")
-        self.dense_path = _check_option("dense_path", dense_path, DENSE_PATHS)
+        if dense_path is not None:
+            if fused_path != "auto":
+                raise ValueError("pass fused_path only (dense_path is its deprecated name)")
+            fused_path = _from_dense_path(dense_path)
+        self.fused_path = _fused_path(fused_path)
         if not (check_finite is True or check_finite is False or check_finite == "auto"):
             raise ValueError(f"check_finite must be True, False or 'auto', got "
                              f"{check_finite!r}")
         self.check_finite = check_finite
-        if edge_dim is not None and (isinstance(edge_dim, bool) or not isinstance(
-                edge_dim, int) or (edge_dim < 1 and edge_dim != -1)):
-            raise ValueError(f"edge_dim must be a positive integer, -1 (lazy) or None, "
-                             f"got {edge_dim!r}")
-        if edge_message and edge_dim is None:
-            raise ValueError("edge_message=True embeds the edge features into the "
-                             "messages: it needs edge_dim")
-        self.edge_dim = edge_dim
-        self.fill_value = fill_value
-        self.edge_message = edge_message
-        self.source_logit = source_logit
+        self._set_edge_options(edge_dim, fill_value, edge_message, source_logit)
 
         if isinstance(in_channels, int):
             in_src = in_dst = in_channels
@@ -351,22 +342,8 @@ class QSVConv(MessagePassing):
             in_src = width
         else:
             quat_in = in_channels
-        self._make_quat_maps(quat_in)
-
-        # Edge features in the logit (GATConv's a_edge^T W_e e_ij, one score per
-        # head), in the message (W_m e_ij joins x_j in the source's frame), and
-        # the per-source score a_h^T x_j (GAT's source half).
-        self.lin_edge = self.lin_edge_msg = self.lin_source = None
-        if edge_dim is not None:
-            self.lin_edge = Linear(edge_dim, heads, bias=False, weight_initializer="glorot")
-        if edge_message:
-            if in_src < 1:
-                raise ValueError("edge_message=True needs the source width: pass "
-                                 "in_channels (not -1) or project_input=True")
-            self.lin_edge_msg = Linear(edge_dim, self._padded(in_src), bias=False,
-                                       weight_initializer="glorot")
-        if source_logit:
-            self.lin_source = Linear(in_src, heads, bias=False, weight_initializer="glorot")
+        self._make_quat_maps(quat_in)  # QuatSourceMixin
+        self._make_edge_maps(in_src)  # EdgeFeaturesMixin
 
         log_beta = torch.full((heads, ), math.log(beta_init))
         if learn_beta:
@@ -458,124 +435,16 @@ class QSVConv(MessagePassing):
         r"""The per-head routing temperatures :math:`\beta_h` (shape ``[heads]``)."""
         return self.log_beta.exp()
 
-    # ---------------------------------------------------- node quaternions
-    def _make_quat_maps(self, in_channels) -> None:
-        """Feature -> quaternion maps (one per side for bipartite graphs, as in
-        GATConv's ``lin_src``/``lin_dst``); none for ``quat_source="given"``."""
-        self.lin_quat = self.lin_quat_src = self.lin_quat_dst = None
-        if self.quat_source == "given":
-            return
-        out = self.heads * 4
-        if isinstance(in_channels, int):
-            self.lin_quat = Linear(in_channels, out, bias=True, weight_initializer="glorot")
-        else:
-            self.lin_quat_src = Linear(in_channels[0], out, bias=True,
-                                       weight_initializer="glorot")
-            self.lin_quat_dst = Linear(in_channels[1], out, bias=True,
-                                       weight_initializer="glorot")
+    @property
+    def dense_path(self) -> str:
+        """Deprecated name of ``fused_path`` (with a DeprecationWarning)."""
+        warnings.warn("QSVConv: dense_path is deprecated, use fused_path",
+                      DeprecationWarning, stacklevel=2)
+        return self.fused_path
 
-    def _feature_quat(self, x: Tensor, side: str) -> Tensor:
-        lin = self.lin_quat
-        if lin is None:
-            lin = self.lin_quat_src if side == "src" else self.lin_quat_dst
-        assert lin is not None
-        if isinstance(lin.weight, UninitializedParameter):
-            lin(x)  # PyG's lazy Linear materialises itself on its first call
-            self._near_identity(lin)
-        # In float32 (float64 for float64 features) whatever the features' dtype
-        # and outside autocast: a bf16 quaternion is off the unit sphere by ~5e-3,
-        # and the sandwich would rescale the kept channel by its squared norm.
-        dt = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            q = F.linear(x.to(dt), lin.weight.to(dt),
-                         None if lin.bias is None else lin.bias.to(dt))
-        return q.view(*x.shape[:-1], self.heads, 4)
-
-    def _near_identity(self, lin) -> None:
-        """Start a feature map near the identity rotation, so the initial
-        transport is mild and the normalisation well conditioned."""
-        with torch.no_grad():
-            lin.weight.mul_(0.5)
-            lin.bias.zero_()
-            lin.bias.view(self.heads, 4)[:, 0] = 1.0
-
-    def _given_quat(self, quat: Tensor, num_nodes: int, side: str) -> Tensor:
-        _check_float(quat, f"{side} quaternions (quat)")
-        if quat.dim() == 2 and quat.size(-1) == 4:
-            quat = quat.unsqueeze(1).expand(-1, self.heads, 4)
-        if quat.dim() not in (3, 4) or quat.size(-2) != self.heads or quat.size(-1) != 4:
-            raise ValueError(
-                f"{side} quaternions must have shape [num_nodes, heads={self.heads}, 4] "
-                f"(or [num_nodes, 4] to share one across heads, or [batch, num_nodes, "
-                f"heads, 4] for batched inputs); got {tuple(quat.shape)}")
-        if quat.size(-3) != num_nodes:
-            raise ValueError(f"{side} quaternions have {quat.size(-3)} rows but there "
-                             f"are {num_nodes} {side} nodes")
-        return quat
-
-    def _node_quaternions(self, x_src: Tensor, x_dst: OptTensor,
-                          quat: Union[Tensor, Tuple[OptTensor, OptTensor], None],
-                          num_dst: int) -> Tuple[Tensor, OptTensor]:
-        """Unit quaternions ``[N_src, H, 4]`` and ``[N_dst, H, 4]`` (or None);
-        ``[B, N, H, 4]`` per batch item when they come from ``[B, N, C]``
-        features."""
-        src_q: OptTensor = None
-        dst_q: OptTensor = None
-        bipartite = x_dst is not x_src
-        if quat is not None:
-            if isinstance(quat, Tensor):
-                src_q = dst_q = self._given_quat(quat, x_src.size(-2), "source")
-                if bipartite:
-                    raise ValueError("for bipartite inputs pass quat as a pair "
-                                     "(quat_src, quat_dst)")
-            else:
-                q_s, q_d = quat
-                if q_s is None:
-                    raise ValueError("the source quaternions quat[0] are missing")
-                src_q = self._given_quat(q_s, x_src.size(-2), "source")
-                if q_d is not None:
-                    dst_q = self._given_quat(q_d, num_dst, "target")
-        source = self.quat_source
-        if source == "auto":
-            source = "features" if quat is None else "given"
-        if source in ("given", "composed") and src_q is None:
-            raise ValueError(f"quat_source={self.quat_source!r} needs the quat argument")
-        if source == "features" and quat is not None:
-            raise ValueError("quat_source='features' computes quaternions from the "
-                             "features; do not pass quat (or use 'auto'/'composed')")
-
-        if source in ("features", "composed"):
-            f_src = self._feature_quat(x_src, "src")
-            f_dst = f_src if not bipartite else (
-                None if x_dst is None else self._feature_quat(x_dst, "dst"))
-            if source == "features":
-                src_q, dst_q = f_src, f_dst
-            else:
-                assert src_q is not None
-                # Normalise the given field first, so that a zero quaternion
-                # counts as the identity here too (identity ⊗ q(x) = q(x)).
-                new_src = hamilton_product(unit_quaternion(src_q), unit_quaternion(f_src))
-                if bipartite:
-                    dst_q = None if (dst_q is None or f_dst is None) else \
-                        hamilton_product(unit_quaternion(dst_q), unit_quaternion(f_dst))
-                else:
-                    dst_q = new_src
-                src_q = new_src
-
-        assert src_q is not None
-        if self._checks_finite(src_q):
-            _check_finite(src_q, "source quaternions")
-            _check_finite(dst_q, "target quaternions")
-        # Normalised in float32 (float64 for float64 input) also when given in
-        # half precision or composed under autocast: the unit norm is exact to
-        # float32 rounding when they reach the operator.
-        unit_src = unit_quaternion(src_q.to(torch.promote_types(src_q.dtype, torch.float32)))
-        if dst_q is None:
-            return unit_src, None
-        if dst_q is src_q:
-            return unit_src, unit_src
-        return unit_src, unit_quaternion(
-            dst_q.to(torch.promote_types(dst_q.dtype, torch.float32)))
+    @dense_path.setter
+    def dense_path(self, value: str) -> None:
+        self.fused_path = _from_dense_path(value, stacklevel=4)  # via Module.__setattr__
 
     # -------------------------------------------------------- call checks
     def _checks_finite(self, t: Tensor) -> bool:
@@ -591,8 +460,8 @@ class QSVConv(MessagePassing):
             raise ValueError(f"QSVConv expects node features of shape [num_nodes, "
                              f"channels] or [batch, num_nodes, channels] (a static "
                              f"graph shared by the batch); got {tuple(x_src.shape)}")
-        _check_float(x_src, "x (source features)")
-        _check_float(x_dst, "x[1] (target features)")
+        check_float(x_src, "x (source features)")
+        check_float(x_dst, "x[1] (target features)")
         if isinstance(edge_index, Tensor) and not is_torch_sparse_tensor(edge_index):
             check_edge_index(edge_index)
         if x_dst is not None and x_dst.dim() != x_src.dim():
@@ -600,10 +469,10 @@ class QSVConv(MessagePassing):
                              f"of dimensions; got {tuple(x_src.shape)} and "
                              f"{tuple(x_dst.shape)}")
         if self._checks_finite(x_src):
-            _check_finite(x_src, "node features")
-            _check_finite(x_dst if x_dst is not x_src else None, "node features")
+            check_finite(x_src, "node features")
+            check_finite(x_dst if x_dst is not x_src else None, "node features")
             # An overflowing temperature would turn every weight into NaN.
-            _check_finite(self.log_beta.exp(), "routing temperatures beta (exp(log_beta))")
+            check_finite(self.log_beta.exp(), "routing temperatures beta (exp(log_beta))")
 
     def _positions(self, pos, num_src: int, num_dst: int) -> Tuple[OptTensor, OptTensor]:
         """The checked ``(source, target)`` positions for geometric routing."""
@@ -617,7 +486,7 @@ class QSVConv(MessagePassing):
                              "target nodes")
         for t, rows, side in ((pair[0], num_src, "source"), (pair[1], num_dst, "target")):
             name = f"pos ({side})"
-            _check_float(t, name)
+            check_float(t, name)
             if t.dim() != 2:
                 raise ValueError(f"QSVConv: {name} must have shape [num_nodes, dim], "
                                  f"got {tuple(t.shape)}")
@@ -625,7 +494,7 @@ class QSVConv(MessagePassing):
                 raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
                                  f"{rows} {side} nodes")
             if self._checks_finite(t):
-                _check_finite(t, f"{side} positions (pos)")
+                check_finite(t, f"{side} positions (pos)")
         return pair
 
     # ------------------------------------------------------------ the path
@@ -646,7 +515,7 @@ class QSVConv(MessagePassing):
         """:meth:`choose_path`'s path and its reason, in words.
 
         ``"message_passing"`` (PyG's ``propagate``, the literal softmax) for what
-        the operator does not do: ``dense_path="never"``, sparse adjacencies,
+        the operator does not do: ``fused_path="never"``, sparse adjacencies,
         explainers (PyG's public ``explain``) and PyG's message-passing hooks.
         Else the operator: ``"attend_per_item"`` over ``B`` disjoint copies of
         the graph when a ``[B, N, C]`` input's weights differ per item (feature
@@ -656,8 +525,8 @@ class QSVConv(MessagePassing):
         The operator's implementation is
         :func:`qsv_pyg.nn.qsv_kernel.backend`'s choice.
         """
-        if self.dense_path == "never":
-            return "message_passing", "dense_path='never'"
+        if self.fused_path == "never":
+            return "message_passing", "fused_path='never'"
         if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
             return "message_passing", "a sparse adjacency (SparseTensor or torch.sparse)"
         if self.explain:
@@ -789,40 +658,6 @@ class QSVConv(MessagePassing):
                 return out, edge_index.set_value(alpha, layout="coo")
         return out
 
-    def _check_edge_attr(self, edge_attr: OptTensor, edge_index: Adj) -> OptTensor:
-        """``edge_attr`` as ``[E, edge_dim]`` (a ``[E]`` vector is one feature),
-        checked against the layer and the edges."""
-        # isinstance, not `is not None`: under torch.fx tracing (to_hetero) an
-        # unused optional input is a proxy.
-        if not isinstance(edge_attr, Tensor):
-            return None
-        if self.lin_edge is None:
-            raise ValueError("QSVConv received edge_attr but was built without edge_dim; "
-                             "pass edge_dim=<number of edge features> (quaternions go "
-                             "in quat=...)")
-        _check_float(edge_attr, "edge_attr")
-        if edge_attr.dim() == 1:
-            edge_attr = edge_attr.view(-1, 1)
-        if edge_attr.dim() != 2:
-            raise ValueError(f"QSVConv: edge_attr must have shape [num_edges, edge_dim] "
-                             f"or [num_edges], got {tuple(edge_attr.shape)} (quaternions "
-                             f"go in quat=...)")
-        if self.edge_dim != -1 and edge_attr.size(1) != self.edge_dim:
-            raise ValueError(f"QSVConv: edge_attr has {edge_attr.size(1)} features per "
-                             f"edge but edge_dim={self.edge_dim}")
-        if isinstance(edge_index, SparseTensor):
-            num_edges = edge_index.nnz()
-        elif is_torch_sparse_tensor(edge_index):
-            num_edges = edge_index._nnz()
-        else:
-            num_edges = edge_index.size(1)
-        if edge_attr.size(0) != num_edges:
-            raise ValueError(f"QSVConv: edge_attr has {edge_attr.size(0)} rows but there "
-                             f"are {num_edges} edges")
-        if self._checks_finite(edge_attr):
-            _check_finite(edge_attr, "edge features (edge_attr)")
-        return edge_attr
-
     def _project_input(self, x_src: Tensor, x_dst: OptTensor) -> Tuple[Tensor, OptTensor]:
         """``(P x_src, P x_dst)`` of ``project_input`` (one map unless bipartite)."""
         if self.lin_proj is not None:
@@ -879,59 +714,6 @@ class QSVConv(MessagePassing):
             assert q_dst is not None
             return q_src, q_dst  # Re(q_i* q_j) = <q_i, q_j>
         return ref.new_empty(num_src, self.heads, 0), ref.new_empty(num_dst, self.heads, 0)
-
-    def _edge_logit(self, graph, base_perm: Tensor, copies: int,
-                    pos: Tuple[OptTensor, OptTensor], edge_attr: OptTensor,
-                    src_score: OptTensor) -> OptTensor:
-        """The operator's additive logit term ``[E, H]`` in ``graph``'s
-        target-sorted order (``copies`` copies of the base graph, whose sorted
-        edges are ``base_perm``), or None: the edge features' score
-        ``lin_edge(e_ij)``, the source score ``a_h^T x_j`` gathered per edge, and
-        distance routing's :math:`-\beta |p_i - p_j|^2` (exact wherever the
-        positions sit)."""
-        terms = []
-        if edge_attr is not None:
-            assert self.lin_edge is not None
-            t = self.lin_edge(edge_attr)[base_perm]  # [E, H]: map first, then gather
-            terms.append(t.repeat(copies, 1) if copies > 1 else t)
-        if src_score is not None:
-            terms.append(src_score.reshape(-1, self.heads)[graph.col])
-        if self.routing == "geometric":  # positions are shared by the copies
-            assert pos[0] is not None and pos[1] is not None
-            E = base_perm.numel()  # copy 0's sorted edges come first, not offset
-            t = distance_logits(pos[1][graph.row[:E]], pos[0][graph.col[:E]], self.beta)
-            terms.append(t.repeat(copies, 1) if copies > 1 else t)
-        if not terms:
-            return None
-        out = terms[0]
-        for t in terms[1:]:
-            out = out + t
-        return out
-
-    def _edge_message_sum(self, graph, base_perm: Tensor, copies: int, edge_attr: Tensor,
-                          weights: Tensor, q_src: OptTensor, q_dst: OptTensor,
-                          num_dst: int, C: int) -> Tensor:
-        r"""The edge features' part of the aggregate, :math:`Q_i^\top \sum_j
-        \alpha_{ij} Q_j \mathbf{W}_m e_{ij}` ``[N_dst', H, C / 4, 4]`` (the
-        embedding joins :math:`x_j` in the source's frame, so the transport
-        rotates it as the message): PyTorch ops around the operator, in float32
-        (as the operator), differentiable through the weights."""
-        assert self.lin_edge_msg is not None
-        H = self.heads
-        emb = self.lin_edge_msg(edge_attr[base_perm])
-        if copies > 1:
-            emb = emb.repeat(copies, 1)
-        dt = weights.dtype
-        with torch.autocast(weights.device.type, enabled=False):
-            w = emb.to(dt).view(-1, H, C // 4, 4)
-            if q_src is not None:
-                w = matrix_rotate_blocks(quaternion_to_matrix(q_src.to(dt)[graph.col]), w)
-            y = w.new_zeros(num_dst, H, C // 4, 4).index_add(
-                0, graph.row, weights.view(-1, H, 1, 1) * w)
-            if q_dst is not None:
-                y = matrix_rotate_blocks(quaternion_to_matrix(q_dst.to(dt)).transpose(-1, -2),
-                                         y)
-        return y
 
     def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
                 pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int,
@@ -1077,13 +859,7 @@ class QSVConv(MessagePassing):
         else:
             assert q_i is not None and q_j is not None
             logits, _ = routing_logits(q_i, q_j, self.beta, self.routing == "abs")
-        # A SparseTensor's values arrive as edge_attr too; without edge_dim they
-        # are not edge features (as in GATConv).
-        if edge_attr is not None and self.lin_edge is not None:
-            logits = logits + self.lin_edge(edge_attr.view(-1, 1) if edge_attr.dim() == 1
-                                            else edge_attr)
-        if s_j is not None:
-            logits = logits + s_j
+        logits = self._add_edge_scores(logits, edge_attr, s_j)
         if index.numel() == 0:
             return logits
         alpha = softmax(logits, index, ptr, dim_size)
@@ -1091,15 +867,7 @@ class QSVConv(MessagePassing):
 
     def message(self, x_j: Tensor, alpha: Tensor, edge_attr: OptTensor,
                 rot_j: OptTensor) -> Tensor:
-        if self.lin_edge_msg is not None and edge_attr is not None:
-            # W_m e_ij joins x_j in the source's frame: rotated by q_j as x_j was.
-            emb = self.lin_edge_msg(edge_attr.view(-1, 1) if edge_attr.dim() == 1
-                                    else edge_attr)
-            emb = emb.view(*x_j.shape[:-1], -1, 4)
-            if rot_j is not None:
-                emb = matrix_rotate_blocks(rot_j, emb)
-            x_j = x_j + emb.reshape(x_j.shape)
-        return alpha.unsqueeze(-1) * x_j
+        return alpha.unsqueeze(-1) * self._with_edge_embedding(x_j, edge_attr, rot_j)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "

@@ -44,10 +44,10 @@ def graph(seed: int, n: int = N, num_edges: int = 160) -> torch.Tensor:
 
 
 def conv_pair(**kwargs):
-    """The fast path and message passing (``dense_path="never"``), same weights."""
+    """The fast path and message passing (``fused_path="never"``), same weights."""
     torch.manual_seed(0)
     fast = QSVConv(8, 4, heads=2, **kwargs).eval()
-    slow = QSVConv(8, 4, heads=2, dense_path="never", **kwargs).eval()
+    slow = QSVConv(8, 4, heads=2, fused_path="never", **kwargs).eval()
     slow.load_state_dict(fast.state_dict())
     return fast, slow
 

@@ -2,7 +2,7 @@
 
 ``unit_quaternion``'s backward treated the norm as a constant, so every
 second derivative through the node quaternions was wrong on the
-message-passing path (``dense_path="never"``); the fast path (the registered
+message-passing path (``fused_path="never"``); the fast path (the registered
 operator ``qsv_pyg::attend``) refused double backward with "no autograd
 formula registered for qsv_pyg.attend_backward". Gradient penalties,
 Hessian-vector products and force matching need both. Here every routing,
@@ -89,10 +89,10 @@ LAYERS = [
 LAYER_IDS = ["-".join(c) for c in LAYERS]
 
 
-def make_layer(routing, transport, quat_source, dense_path):
+def make_layer(routing, transport, quat_source, fused_path):
     torch.manual_seed(0)
     conv = QSVConv(IN, OUT, heads=HEADS, routing=routing, transport=transport,
-                   quat_source=quat_source, dense_path=dense_path,
+                   quat_source=quat_source, fused_path=fused_path,
                    beta_init=1.3).double().eval()
     return conv
 
@@ -123,8 +123,8 @@ def layer_function(conv, ei, extra_names):
     return f, [p.detach().clone().requires_grad_() for p in conv.parameters()]
 
 
-def check_layer_gradgrad(routing, transport, quat_source, dense_path, batch=0):
-    conv = make_layer(routing, transport, quat_source, dense_path)
+def check_layer_gradgrad(routing, transport, quat_source, fused_path, batch=0):
+    conv = make_layer(routing, transport, quat_source, fused_path)
     ei = knn_like()
     x, extra = layer_inputs(routing, quat_source, batch)
     f, params = layer_function(conv, ei, list(extra))

@@ -108,7 +108,7 @@ class QSV(BasicGNN):
             :class:`~torch_geometric.nn.models.basic_gnn.BasicGNN`.
         **kwargs (optional): Additional arguments of
             :class:`~qsv_pyg.nn.QSVConv` (``add_self_loops``, ``root_weight``,
-            ``project_input``, ``beta_init``, ``learn_beta``, ``dense_path``,
+            ``project_input``, ``beta_init``, ``learn_beta``, ``fused_path``,
             ``edge_dim``, ``fill_value``, ``edge_message``, ``source_logit``, ...).
             With ``edge_dim`` every layer takes the edge features ``edge_attr``
             of :meth:`forward` (as PyG's ``GAT`` with ``edge_dim``).
