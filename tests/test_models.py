@@ -152,9 +152,15 @@ def test_routing_transport_ablations(routing, transport, images):
 
 
 @pytest.mark.parametrize("source,conv_source,has_field", [
-    ("field", "given", True), ("features", "features", False), ("both", "composed", True)])
+    ("field", "given", True), ("features", "features", False), ("composed", "composed", True),
+    ("both", "composed", True)])
 def test_quat_sources(source, conv_source, has_field, images):
-    model = small_qsv(quat_source=source)
+    if source == "both":  # the old spelling of "composed"
+        with pytest.warns(DeprecationWarning, match="'composed'"):
+            model = small_qsv(quat_source=source)
+        assert model.qsv_options["quat_source"] == "composed"
+    else:
+        model = small_qsv(quat_source=source)
     forward_backward(model, images)
     assert all(c.quat_source == conv_source for c in model.qsv_convs().values())
     assert (model.fields is not None) == has_field

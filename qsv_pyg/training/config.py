@@ -25,8 +25,8 @@ Old names are read where they arrive, each with a :class:`DeprecationWarning`
 checkpoint, of :meth:`TrainConfig.replace` and of a table row), and so are old
 spellings of values (``--quat-source both``); nothing else uses them. Each old
 name has one meaning: ``beta_prior`` is the old name of ``beta_prior_weight``
-(the prior's centre is ``beta_prior_centre``, and no model takes ``beta_prior``). Defaults are not
-retyped here: the schedule's come from :data:`~qsv_pyg.training.presets.DEFAULT_SCHEDULE`,
+(the prior's centre is ``beta_prior_centre``; no model takes ``beta_prior``).
+Defaults are not retyped here: the schedule's come from :data:`~qsv_pyg.training.presets.DEFAULT_SCHEDULE`,
 the models' (shown in the help) from :func:`~qsv_pyg.models.graph_net.graph_net_default`.
 
 A configuration is assembled in three layers, later ones winning::
