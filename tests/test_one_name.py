@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import shlex
 import warnings
@@ -55,6 +56,8 @@ from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RUNS = REPO / "docs" / "results" / "study"
+#: The data folder of the README's commands: $QSV_DATA_DIR, else ../shared/data.
+SHARED_DATA = Path(os.environ.get("QSV_DATA_DIR") or REPO.parent / "shared" / "data")
 SMALL_QSV = dict(shell_sizes=(16, 9, 4), k_cross=4, k_inner=3, widths=(16, 16, 16), heads=2)
 SMALL_SHELLS = dict(shell_sizes=(16, 9, 4), k_cross=4, k_inner=3, qsv_widths=(16, 16, 16),
                     qsv_heads=2, match_tol=0.25)
@@ -246,7 +249,7 @@ def test_the_study_command_reuses_the_committed_runs():
                  "heads": 16, "patch_size": 4}  # README: "the longer equal-budget study"
     train_args = ("--threads 1 --budget-clock process --anneal-to-budget --warmup-epochs 0.5 "
                   "--eval-at-minutes 5 10 20")
-    settings = runner.RunSettings(budget_minutes=30, data_dir="/work/shared/data", epochs=200,
+    settings = runner.RunSettings(budget_minutes=30, data_dir=str(SHARED_DATA), epochs=200,
                                   batch_size=128, lr=2e-3, device="cpu",
                                   model_overrides=overrides,
                                   train_args=tuple(shlex.split(train_args)))
