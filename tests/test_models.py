@@ -203,7 +203,7 @@ def test_fixed_beta_and_beta_prior(images):
         assert id(conv.log_beta) not in params
         assert torch.allclose(conv.beta, torch.full((2,), 2.0))
 
-    model = small_qsv(beta_prior_weight=0.5, beta_prior=1.0, beta_init=2.0,
+    model = small_qsv(beta_prior_weight=0.5, beta_prior_centre=1.0, beta_init=2.0,
                       repulsion_weight=0.0)
     n_heads = 2 * len(model.qsv_convs())
     expected = 0.5 * n_heads * (torch.log(torch.tensor(2.0)) ** 2)
@@ -211,7 +211,7 @@ def test_fixed_beta_and_beta_prior(images):
     model.auxiliary_loss().backward()
     assert all(c.log_beta.grad is not None and (c.log_beta.grad > 0).all()
                for c in model.qsv_convs().values())
-    assert small_qsv(beta_prior_weight=0.5, beta_prior=1.0,
+    assert small_qsv(beta_prior_weight=0.5, beta_prior_centre=1.0,
                      repulsion_weight=0.0).auxiliary_loss() == 0
 
 
@@ -221,7 +221,7 @@ def test_beta_prior_centre_does_not_follow_beta_init(images):
     import math
     for beta_init in (1.0, 5.0):
         model = small_qsv(beta_init=beta_init)
-        assert model.log_beta_prior == pytest.approx(math.log(0.79))
+        assert model.log_beta_prior_centre == pytest.approx(math.log(0.79))
         assert model.qsv_options["beta_prior_weight"] > 0  # on by default
     model = small_qsv(beta_init=5.0, repulsion_weight=0.0)
     model.auxiliary_loss().backward()

@@ -124,19 +124,22 @@ def test_old_spellings_still_work_with_a_warning():
     assert model.qsv_options["quat_source"] == "composed"
 
 
-#: Where an old spelling may appear in the package: the tables that read it, and
-#: the text that documents them.
+#: Where an old spelling may appear: the tables that read it, the text that documents
+#: them, and the tests of both.
 OLD_SPELLINGS = {
-    r"\bbeta_prior\b": {"training/config.py", "models/zoo.py"},
-    r'"both"': {"nn/quat_sources.py", "nn/qsv_conv.py", "training/config.py",
-                "models/graph_net.py", "analysis/routing.py"},
+    r"\bbeta_prior\b": {"qsv_pyg/training/config.py", "qsv_pyg/models/zoo.py",
+                        "tests/test_one_name.py"},
+    r'"both"': {"qsv_pyg/nn/quat_sources.py", "qsv_pyg/nn/qsv_conv.py",
+                "qsv_pyg/training/config.py", "qsv_pyg/models/graph_net.py",
+                "qsv_pyg/analysis/routing.py", "tests/test_one_name.py",
+                "tests/test_models.py", "tests/test_analysis.py"},
 }
 
 
 def test_old_spellings_are_read_where_they_arrive_and_nowhere_else():
-    package = REPO / "qsv_pyg"
+    files = [*(REPO / "qsv_pyg").rglob("*.py"), *(REPO / "tests").rglob("*.py")]
     for pattern, allowed in OLD_SPELLINGS.items():
-        found = {str(p.relative_to(package)) for p in package.rglob("*.py")
+        found = {p.relative_to(REPO).as_posix() for p in files
                  if re.search(pattern, p.read_text(encoding="utf-8"))}
         assert found <= allowed, (pattern, found - allowed)
 

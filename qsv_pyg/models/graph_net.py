@@ -328,7 +328,7 @@ class GraphNet(ImageClassifier):
         prior = opts["beta_prior_centre"]
         if not (prior > 0 and math.isfinite(prior)):
             raise ValueError(f"beta_prior_centre must be a positive number, got {prior!r}")
-        self.log_beta_prior = math.log(prior)
+        self.log_beta_prior_centre = math.log(prior)
 
         # Repulsion needs a learnable field and same-level neighbours to repel.
         self.repulsion_levels: List[int] = []
@@ -436,7 +436,7 @@ class GraphNet(ImageClassifier):
                                for s in self.repulsion_levels]).mean()
             loss = loss + opts["repulsion_weight"] * rep
         if opts["beta_prior_weight"] > 0 and opts["learn_beta"]:
-            prior = sum((conv.log_beta - self.log_beta_prior).pow(2).sum()
+            prior = sum((conv.log_beta - self.log_beta_prior_centre).pow(2).sum()
                         for conv in self.qsv_convs().values())
             loss = loss + opts["beta_prior_weight"] * prior
         return loss
