@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from qsv_pyg.analysis import (
     NotQSVModelError,
     intervene,
     intervention_accuracy,
+    interventions_of,
     load_model,
     qsv_layers,
     rotation_angles,
@@ -141,9 +143,13 @@ def test_identity_transport_changes_outputs_and_settings_restored(trained, image
         with intervene(model, "identity-transport") as layers:
             assert all(c.transport == "identity" for c in layers.values())
             identity = model(images)
-        with intervene(model, "both"):
+        with intervene(model, "both-off"):
             assert all((c.routing, c.transport) == ("uniform", "identity")
                        for c in qsv_layers(model).values())
+        with pytest.warns(DeprecationWarning, match="'both-off'"):
+            with intervene(model, "both"):  # its old spelling
+                assert all((c.routing, c.transport) == ("uniform", "identity")
+                           for c in qsv_layers(model).values())
     assert (plain - identity).abs().max() > 1e-4
     assert _settings(model) == before
 
@@ -154,7 +160,7 @@ def test_identity_transport_changes_outputs_and_settings_restored(trained, image
 
     model.train()
     with pytest.raises(RuntimeError, match="loader failed"):
-        intervention_accuracy(model, Broken(), "both")
+        intervention_accuracy(model, Broken(), "both-off")
     assert _settings(model) == before and model.training
     model.eval()
     with pytest.raises(ValueError, match="unknown intervention"):
@@ -198,7 +204,22 @@ def test_cli_writes_report(cli, run_dir, data_dir, tmp_path, capsys):
         assert r["delta"] == pytest.approx(r["acc"] - report["interventions"]["none"]["acc"])
     printed = capsys.readouterr().out
     assert "| cross0 | 0 |" in printed and "| uniform-routing |" in printed
+    assert "| both-off |" in printed
     assert (out / "analysis.md").read_text() in printed
+
+
+def test_an_old_analysis_json_reads_with_todays_names():
+    """``analysis.json`` written before the rename keys both switches off as "both"."""
+    for path in ("analysis-qsv", "block/analysis-kernel-only-qsv"):
+        report = json.loads((REPO / "docs" / "results" / path / "analysis.json").read_text())
+        assert "both" in report["interventions"], path
+        with pytest.warns(DeprecationWarning, match="'both-off'"):
+            read = interventions_of(report)
+        assert list(read) == list(INTERVENTIONS)
+        assert read["both-off"] == report["interventions"]["both"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert interventions_of({"interventions": {"both-off": 1}}) == {"both-off": 1}
 
 
 def test_cli_bad_checkpoint(cli, tmp_path, capsys):

@@ -30,6 +30,7 @@ from qsv_pyg.data import (
     resolve_data_dir,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
                    "ship", "truck"]
 
@@ -158,7 +159,8 @@ def test_layout_folder_itself_and_old_numpy_pickles(tmp_path):
 
 
 def test_real_cifar10_test_split():
-    candidates = [os.environ.get("QSV_DATA_DIR"), "/work/shared/data"]
+    # $QSV_DATA_DIR, else the shared data folder beside the checkout (../shared/data).
+    candidates = [os.environ.get("QSV_DATA_DIR"), REPO.parent / "shared" / "data"]
     root = next((Path(c) for c in candidates
                  if c and (Path(c) / "cifar-10-batches-py" / "test_batch").is_file()), None)
     if root is None:

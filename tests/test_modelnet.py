@@ -12,7 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS = [Path(os.environ["QSV_DATA_ROOT"])] if "QSV_DATA_ROOT" in os.environ else [
-    ROOT.parent / "shared" / "data", Path("/work/shared/data")]
+    ROOT.parent / "shared" / "data"]
 
 
 def _data_root() -> Path:

@@ -152,9 +152,15 @@ def test_routing_transport_ablations(routing, transport, images):
 
 
 @pytest.mark.parametrize("source,conv_source,has_field", [
-    ("field", "given", True), ("features", "features", False), ("both", "composed", True)])
+    ("field", "given", True), ("features", "features", False), ("composed", "composed", True),
+    ("both", "composed", True)])
 def test_quat_sources(source, conv_source, has_field, images):
-    model = small_qsv(quat_source=source)
+    if source == "both":  # the old spelling of "composed"
+        with pytest.warns(DeprecationWarning, match="'composed'"):
+            model = small_qsv(quat_source=source)
+        assert model.qsv_options["quat_source"] == "composed"
+    else:
+        model = small_qsv(quat_source=source)
     forward_backward(model, images)
     assert all(c.quat_source == conv_source for c in model.qsv_convs().values())
     assert (model.fields is not None) == has_field
@@ -197,7 +203,7 @@ def test_fixed_beta_and_beta_prior(images):
         assert id(conv.log_beta) not in params
         assert torch.allclose(conv.beta, torch.full((2,), 2.0))
 
-    model = small_qsv(beta_prior_weight=0.5, beta_prior=1.0, beta_init=2.0,
+    model = small_qsv(beta_prior_weight=0.5, beta_prior_centre=1.0, beta_init=2.0,
                       repulsion_weight=0.0)
     n_heads = 2 * len(model.qsv_convs())
     expected = 0.5 * n_heads * (torch.log(torch.tensor(2.0)) ** 2)
@@ -205,7 +211,7 @@ def test_fixed_beta_and_beta_prior(images):
     model.auxiliary_loss().backward()
     assert all(c.log_beta.grad is not None and (c.log_beta.grad > 0).all()
                for c in model.qsv_convs().values())
-    assert small_qsv(beta_prior_weight=0.5, beta_prior=1.0,
+    assert small_qsv(beta_prior_weight=0.5, beta_prior_centre=1.0,
                      repulsion_weight=0.0).auxiliary_loss() == 0
 
 
@@ -215,7 +221,7 @@ def test_beta_prior_centre_does_not_follow_beta_init(images):
     import math
     for beta_init in (1.0, 5.0):
         model = small_qsv(beta_init=beta_init)
-        assert model.log_beta_prior == pytest.approx(math.log(0.79))
+        assert model.log_beta_prior_centre == pytest.approx(math.log(0.79))
         assert model.qsv_options["beta_prior_weight"] > 0  # on by default
     model = small_qsv(beta_init=5.0, repulsion_weight=0.0)
     model.auxiliary_loss().backward()

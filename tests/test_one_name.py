@@ -1,14 +1,18 @@
-"""Issue 21: one concept, one name; one default, one place; one check per run.
+"""Issues 21 and 31: one concept, one name; one default, one place; one check per run.
 
 A field's flag, its model keyword and its table-row key are one word; old
-spellings still work (flags, ``config.json`` keys, checkpoints, table rows);
-defaults are read from the model or the preset table, not retyped; the study's
-committed runs reproduce the same models and are reused by its documented command.
+spellings still work where they are read (flags, ``config.json`` keys, checkpoints,
+table rows), each with a :class:`DeprecationWarning`, and nowhere else; each old
+spelling has one meaning (``beta_prior``: the prior's weight); defaults are read
+from the model, QSVConv or the preset table, not retyped; the study's committed
+runs reproduce the same models and are reused by its documented command.
 """
 from __future__ import annotations
 
 import inspect
 import json
+import os
+import re
 import shlex
 import warnings
 from pathlib import Path
@@ -18,11 +22,20 @@ import pytest
 from qsv_pyg.experiments import runner
 from qsv_pyg.experiments.tables import BEYOND, STUDY, Row
 from qsv_pyg.models import GraphNet, available_models, build_model, zoo
-from qsv_pyg.models.graph_net import DEFAULT_HEADS, QSV_DEFAULTS, graph_net_default
+from qsv_pyg.models.graph_net import (
+    CONV_KEYWORDS,
+    DEFAULT_HEADS,
+    GRAPHNET_QUAT_SOURCES,
+    QSV_DEFAULTS,
+    graph_net_default,
+)
+from qsv_pyg.nn import QUAT_SOURCES, QSVConv
+from qsv_pyg.nn.qsv_kernel import BACKENDS
 from qsv_pyg.training import stopping
 from qsv_pyg.training.checkpoint import load_checkpoint, save_checkpoint
 from qsv_pyg.training.cli import build_parser, config_from_args, main, parse_fields
 from qsv_pyg.training.config import (
+    OPTIMIZER_BACKENDS,
     RENAMED_FIELDS,
     ConfigError,
     TrainConfig,
@@ -43,6 +56,9 @@ from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_RUNS = REPO / "docs" / "results" / "study"
+#: The data folder of the README's commands: $QSV_DATA_DIR, else ../shared/data.
+SHARED_DATA = Path(os.environ.get("QSV_DATA_DIR") or REPO.parent / "shared" / "data")
+SMALL_QSV = dict(shell_sizes=(16, 9, 4), k_cross=4, k_inner=3, widths=(16, 16, 16), heads=2)
 SMALL_SHELLS = dict(shell_sizes=(16, 9, 4), k_cross=4, k_inner=3, qsv_widths=(16, 16, 16),
                     qsv_heads=2, match_tol=0.25)
 
@@ -71,31 +87,93 @@ def test_flag_model_keyword_and_row_key_are_one_word():
     assert build_model("qsv", beta_prior_centre=1.5).qsv_options["beta_prior_centre"] == 1.5
 
 
-def test_old_spellings_still_work():
+def test_old_spellings_still_work_with_a_warning():
+    # beta_prior has one meaning, the prior's weight: the old name of beta_prior_weight.
     assert RENAMED_FIELDS == {"beta_prior": "beta_prior_weight"}
-    new, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior-weight", "0"]))
-    old, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior", "0"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # today's names: no warning
+        new, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior-weight", "0"]))
+    with pytest.warns(DeprecationWarning, match="--beta-prior is the old name of "
+                                                "--beta-prior-weight"):
+        old, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior", "0"]))
     assert old == new and old.beta_prior_weight == 0.0 and old.beta_prior_centre is None
-    both, _ = config_from_args(parse_fields(["--model", "qsv", "--quat-source", "both"]))
+    with pytest.warns(DeprecationWarning, match="old spelling of 'composed'"):
+        both, _ = config_from_args(parse_fields(["--model", "qsv", "--quat-source", "both"]))
     assert both.quat_source == "composed" and both.model_overrides() == {"quat_source": "composed"}
     assert "--beta-prior-weight W, --beta-prior W" in " ".join(build_parser().format_help().split())
     # A table row and replace() read the old keys too.
-    row = Row("old", "old spelling", "qsv", {"beta_prior": 0.0, "quat_source": "both"})
+    with pytest.warns(DeprecationWarning, match="'beta_prior' is the old name of"):
+        row = Row("old", "old spelling", "qsv", {"beta_prior": 0.0, "quat_source": "both"})
     assert row.switches == {"beta_prior_weight": 0.0, "quat_source": "composed"}
-    assert TrainConfig().replace(beta_prior=0.5).beta_prior_weight == 0.5
+    with pytest.warns(DeprecationWarning, match="old name of 'beta_prior_weight'"):
+        assert TrainConfig().replace(beta_prior=0.5).beta_prior_weight == 0.5
+    with pytest.warns(DeprecationWarning, match="old spelling of 'composed'"):
+        assert TrainConfig(model="qsv", quat_source="both").validate().quat_source == "composed"
     with pytest.raises(ConfigError, match="old name of 'beta_prior_weight'"):
         upgrade_keys({"beta_prior": 0.5, "beta_prior_weight": 0.5})
-    # GraphNet's old keyword for the centre.
-    with pytest.warns(DeprecationWarning, match="beta_prior_centre"):
-        old_model = build_model("qsv", beta_prior=1.5)
-    assert old_model.qsv_options["beta_prior_centre"] == 1.5
+    # Models take the canonical names only: beta_prior (before issue 21 GraphNet's name
+    # of the centre) is refused rather than read with a second meaning.
+    with pytest.raises(TypeError, match="retired keyword 'beta_prior'.*beta_prior_centre"):
+        build_model("qsv", beta_prior=1.5)
+    with pytest.raises(TypeError, match="beta_prior"):
+        GraphNet(beta_prior=1.5)
+    assert "beta_prior" not in inspect.signature(GraphNet).parameters
+    # The model's old spelling of a source: read with a warning, stored as today's.
+    with pytest.warns(DeprecationWarning, match="old spelling of 'composed'"):
+        model = build_model("qsv", **SMALL_QSV, quat_source="both")
+    assert model.qsv_options["quat_source"] == "composed"
+
+
+#: Where an old spelling may appear: the tables that read it, the text that documents
+#: them, and the tests of both.
+OLD_SPELLINGS = {
+    r"\bbeta_prior\b": {"qsv_pyg/training/config.py", "qsv_pyg/models/zoo.py",
+                        "tests/test_one_name.py"},
+    r'"both"': {"qsv_pyg/nn/quat_sources.py", "qsv_pyg/nn/qsv_conv.py",
+                "qsv_pyg/training/config.py", "qsv_pyg/models/graph_net.py",
+                "qsv_pyg/analysis/routing.py", "tests/test_one_name.py",
+                "tests/test_models.py", "tests/test_analysis.py"},
+}
+
+
+def test_old_spellings_are_read_where_they_arrive_and_nowhere_else():
+    files = [*(REPO / "qsv_pyg").rglob("*.py"), *(REPO / "tests").rglob("*.py")]
+    for pattern, allowed in OLD_SPELLINGS.items():
+        found = {p.relative_to(REPO).as_posix() for p in files
+                 if re.search(pattern, p.read_text(encoding="utf-8"))}
+        assert found <= allowed, (pattern, found - allowed)
+
+
+def test_each_name_has_one_meaning():
+    # quat_source: every source of the package vs GraphNet's.
+    assert set(GRAPHNET_QUAT_SOURCES) < set(QUAT_SOURCES)
+    assert "both" not in GRAPHNET_QUAT_SOURCES
+    from qsv_pyg.models import graph_net
+    assert not hasattr(graph_net, "QUAT_SOURCES")
+    # Back-ends: the kernel's vs the optimiser's.
+    from qsv_pyg.training import optim
+    assert BACKENDS == ("triton", "cpp", "torch")
+    assert OPTIMIZER_BACKENDS == optim.OPTIMIZER_BACKENDS == ("auto", "riemannian", "projected")
+    assert not hasattr(optim, "BACKENDS")
+    # The intervention with both switches off has the trained ablation's name.
+    from qsv_pyg.analysis import INTERVENTION_ALIASES, INTERVENTIONS, intervention_name
+    assert "both-off" in INTERVENTIONS and "both" not in INTERVENTIONS
+    assert STUDY.row("both-off").switches == {"routing": "uniform", "transport": "identity"}
+    assert INTERVENTIONS["both-off"] == STUDY.row("both-off").switches
+    assert INTERVENTION_ALIASES == {"both": "both-off"}
+    with pytest.warns(DeprecationWarning, match="'both-off'"):
+        assert intervention_name("both") == "both-off"
 
 
 def test_an_old_config_json_reads_with_its_meaning():
     saved = json.loads((STUDY_RUNS / "qsv" / "seed0" / "config.json").read_text())
     assert "beta_prior" in saved and "beta_prior_centre" in saved  # written before issue 21
     saved.update(beta_prior=0.0, beta_prior_centre=1.5, quat_source="both")  # weight, centre
-    cfg = TrainConfig.from_dict(saved)
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = TrainConfig.from_dict(saved)
+    assert {str(w.message) for w in caught} == {
+        "'beta_prior' is the old name of 'beta_prior_weight'",
+        "quat_source='both' is an old spelling of 'composed'"}
     assert (cfg.beta_prior_weight, cfg.beta_prior_centre, cfg.quat_source) == (0.0, 1.5,
                                                                               "composed")
     # The old name is the field, not a missing one (this config predates the block switches).
@@ -135,6 +213,13 @@ def test_defaults_are_read_not_retyped():
         key = ablation_fields()[name]
         assert f"model default {graph_net_default(key)}" in help_of[name].replace(":", ""), name
     assert graph_net_default("beta_prior_centre") == QSV_DEFAULTS["beta_prior_centre"] == 0.79
+    # The QSVConv arguments GraphNet passes on default to QSVConv's own.
+    conv = inspect.signature(QSVConv.__init__).parameters
+    assert set(CONV_KEYWORDS) == {"routing", "transport", "beta_init", "learn_beta",
+                                  "root_weight"}
+    for name in CONV_KEYWORDS:
+        assert graph_net_default(name) == QSV_DEFAULTS[name] == conv[name].default, name
+    assert QSV_DEFAULTS["quat_source"] == "field" != conv["quat_source"].default  # GraphNet's
     assert graph_net_default("mlp_ratio") == inspect.signature(GraphNet).parameters[
         "mlp_ratio"].default
     # The model list is the registry's; the CPU-scale models are one shared description.
@@ -167,7 +252,7 @@ def test_the_study_command_reuses_the_committed_runs():
                  "heads": 16, "patch_size": 4}  # README: "the longer equal-budget study"
     train_args = ("--threads 1 --budget-clock process --anneal-to-budget --warmup-epochs 0.5 "
                   "--eval-at-minutes 5 10 20")
-    settings = runner.RunSettings(budget_minutes=30, data_dir="/work/shared/data", epochs=200,
+    settings = runner.RunSettings(budget_minutes=30, data_dir=str(SHARED_DATA), epochs=200,
                                   batch_size=128, lr=2e-3, device="cpu",
                                   model_overrides=overrides,
                                   train_args=tuple(shlex.split(train_args)))

@@ -21,7 +21,8 @@ from qsv_pyg.training.checkpoint import (
 from qsv_pyg.training.optim import ProjectedAdamW, build_optimizer, optimizer_backend
 from qsv_pyg.training.schedule import warmup_cosine, warmup_cosine_factor
 
-BACKENDS = ["riemannian", "projected"]
+# The optimiser back-ends but "auto" (which picks one of them).
+CONCRETE_OPTIMIZER_BACKENDS = ["riemannian", "projected"]
 
 
 def _needs(backend):
@@ -80,7 +81,7 @@ def _group_of(opt, p):
 # --------------------------------------------------------------------------- optimiser
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CONCRETE_OPTIMIZER_BACKENDS)
 def test_sphere_stays_unit_norm_and_loss_decreases(backend):
     _needs(backend)
     torch.manual_seed(0)
@@ -98,7 +99,7 @@ def test_sphere_stays_unit_norm_and_loss_decreases(backend):
     assert not torch.allclose(model.q, q0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CONCRETE_OPTIMIZER_BACKENDS)
 def test_no_weight_decay_on_sphere_bias_norm(backend):
     _needs(backend)
     model = ToyQuatNet()
@@ -116,7 +117,7 @@ def test_backends_apply_identical_decoupled_weight_decay():
     pytest.importorskip("geoopt")
     lr, wd = 0.1, 0.5
     results = {}
-    for backend in BACKENDS:
+    for backend in CONCRETE_OPTIMIZER_BACKENDS:
         torch.manual_seed(0)
         model = ToyQuatNet()
         opt = build_optimizer(model, lr=lr, weight_decay=wd, backend=backend)
@@ -155,7 +156,7 @@ def test_auto_falls_back_to_projected_without_geoopt(monkeypatch):
         build_optimizer(ToyQuatNet(), lr=1e-3, weight_decay=0.0, backend="riemannian")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CONCRETE_OPTIMIZER_BACKENDS)
 def test_optimizer_state_dict_round_trip(backend):
     _needs(backend)
     torch.manual_seed(0)
@@ -186,7 +187,7 @@ def test_invalid_sphere_parameters_rejected():
         def sphere_parameters(self):
             return [nn.Parameter(torch.randn(2, 4))]  # not registered in the module
 
-    for backend in BACKENDS:
+    for backend in CONCRETE_OPTIMIZER_BACKENDS:
         _needs(backend)
         with pytest.raises(ValueError, match="not .*parameters of the model"):
             build_optimizer(Stray(), lr=1e-3, weight_decay=0.0, backend=backend)
@@ -314,7 +315,7 @@ def test_rng_capture_restore_reproduces_numbers(tmp_path):
     assert np.array_equal(first[2], second[2]) and np.array_equal(first[3], second[3])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CONCRETE_OPTIMIZER_BACKENDS)
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, backend):
     _needs(backend)
 

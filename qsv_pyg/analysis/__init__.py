@@ -3,11 +3,14 @@ test-time interventions (:mod:`.routing`) of a model rebuilt from its checkpoint
 (:mod:`.loading`); CLI: ``examples/analyze.py``."""
 from .loading import load_model
 from .routing import (
+    INTERVENTION_ALIASES,
     INTERVENTIONS,
     NotQSVModelError,
     capture_layer_inputs,
     intervene,
     intervention_accuracy,
+    intervention_name,
+    interventions_of,
     qsv_layers,
     rotation_angles,
     routing_statistics,
@@ -15,11 +18,14 @@ from .routing import (
 )
 
 __all__ = [
+    "INTERVENTION_ALIASES",
     "INTERVENTIONS",
     "NotQSVModelError",
     "capture_layer_inputs",
     "intervene",
     "intervention_accuracy",
+    "intervention_name",
+    "interventions_of",
     "load_model",
     "qsv_layers",
     "rotation_angles",

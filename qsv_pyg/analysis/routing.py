@@ -19,6 +19,7 @@ pass, so the statistics are those of the model exactly as it classifies.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -28,7 +29,10 @@ from ..nn import QSVConv
 
 __all__ = [
     "INTERVENTIONS",
+    "INTERVENTION_ALIASES",
     "NotQSVModelError",
+    "intervention_name",
+    "interventions_of",
     "qsv_layers",
     "capture_layer_inputs",
     "routing_statistics",
@@ -38,13 +42,19 @@ __all__ = [
     "summarize_angles",
 ]
 
-# Test-time switches: mode -> QSVConv attributes to set on every layer.
+#: Test-time switches: mode -> QSVConv attributes to set on every layer. ``"both-off"``
+#: is the trained ablation's name too (``qsv_pyg.experiments.tables``: row ``both-off``).
 INTERVENTIONS: Dict[str, Dict[str, str]] = {
     "none": {},
     "uniform-routing": {"routing": "uniform"},
     "identity-transport": {"transport": "identity"},
-    "both": {"routing": "uniform", "transport": "identity"},
+    "both-off": {"routing": "uniform", "transport": "identity"},
 }
+#: Old spellings of :data:`INTERVENTIONS`, read with a :class:`DeprecationWarning`
+#: (``"both"`` is also an old ``quat_source`` spelling, of ``"composed"``; as an
+#: intervention it was both switches off). ``analysis.json`` files written before
+#: the rename key the intervention ``"both"``; :func:`intervention_name` reads them.
+INTERVENTION_ALIASES: Dict[str, str] = {"both": "both-off"}
 
 Images = Union[Tensor, Iterable[Tensor]]
 
@@ -341,6 +351,32 @@ def rotation_angles(model: nn.Module, images: Tensor) -> Dict[str, Tensor]:
 # ============================================================================ interventions
 
 
+def intervention_name(mode: str) -> str:
+    """The name in :data:`INTERVENTIONS` of ``mode``: an old spelling
+    (:data:`INTERVENTION_ALIASES`, e.g. a key of an old ``analysis.json`` or an old
+    command line) becomes today's, with a :class:`DeprecationWarning`.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode in INTERVENTION_ALIASES:
+        new = INTERVENTION_ALIASES[mode]
+        warnings.warn(f"intervention {mode!r} is now called {new!r}", DeprecationWarning,
+                      stacklevel=3)
+        return new
+    if mode not in INTERVENTIONS:
+        raise ValueError(f"unknown intervention {mode!r}; choose one of "
+                         f"{', '.join(INTERVENTIONS)}")
+    return mode
+
+
+def interventions_of(report: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``"interventions"`` of an ``analysis.json`` report (``examples/analyze.py``)
+    keyed by today's names: a report written before the rename keys ``"both-off"``
+    as ``"both"`` (read with a :class:`DeprecationWarning`)."""
+    return {intervention_name(mode): r for mode, r in report["interventions"].items()}
+
+
 @contextlib.contextmanager
 def intervene(model: nn.Module, mode: str) -> Iterator[Dict[str, QSVConv]]:
     r"""Switch every QSVConv of ``model`` to ``mode`` for the ``with`` block.
@@ -349,7 +385,8 @@ def intervene(model: nn.Module, mode: str) -> Iterator[Dict[str, QSVConv]]:
         model: a QSV model.
         mode: one of :data:`INTERVENTIONS`: ``"none"``, ``"uniform-routing"``
             (:math:`\alpha = 1/k`), ``"identity-transport"`` (messages are not
-            rotated) or ``"both"``.
+            rotated) or ``"both-off"`` (both; its old spelling ``"both"`` is read
+            with a :class:`DeprecationWarning`).
 
     Yields:
         The layers by name. Their original ``routing``/``transport`` are
@@ -359,9 +396,7 @@ def intervene(model: nn.Module, mode: str) -> Iterator[Dict[str, QSVConv]]:
         ValueError: unknown ``mode``.
         NotQSVModelError: the model has no QSVConv.
     """
-    if mode not in INTERVENTIONS:
-        raise ValueError(f"unknown intervention {mode!r}; choose one of "
-                         f"{', '.join(INTERVENTIONS)}")
+    mode = intervention_name(mode)
     layers = qsv_layers(model)
     saved = {name: (conv.routing, conv.transport) for name, conv in layers.items()}
     try:

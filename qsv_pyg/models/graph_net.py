@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -35,7 +34,7 @@ from ..geometry import (
 from ..geometry.hierarchy import KINDS as HIERARCHY_KINDS
 from ..nn import QSVConv
 from ..nn.csr import GraphCSR, attach_static_csr, build_csr, check_range
-from ..nn.quat_sources import conv_quat_source, quat_source_spellings
+from ..nn.quat_sources import QUAT_SOURCES_OF, conv_quat_source, resolve_quat_source
 from ..utils import is_positive_int
 from .base import ImageClassifier, format_count
 from .blocks import CONV_KINDS, CrossBlock, WithinBlock
@@ -44,12 +43,14 @@ from .field import QuaternionField
 
 #: Values of ``geometry``: the kinds of :class:`~qsv_pyg.geometry.Hierarchy`.
 GEOMETRIES = HIERARCHY_KINDS
-#: Values of ``quat_source`` (and ``--quat-source``), each with the QSVConv
-#: ``quat_source`` it selects: GraphNet's sources (``QUAT_SOURCES_OF["GraphNet"]``
-#: of :mod:`qsv_pyg.nn.quat_sources`), then the old spelling ``"both"`` of
-#: ``"composed"`` (``QUAT_SOURCE_ALIASES``).
-QUAT_SOURCE_TO_CONV = {s: conv_quat_source(s) for s in quat_source_spellings("GraphNet")}
-QUAT_SOURCES = tuple(QUAT_SOURCE_TO_CONV)
+#: GraphNet's values of ``quat_source`` (and ``--quat-source``):
+#: ``QUAT_SOURCES_OF["GraphNet"]`` of :mod:`qsv_pyg.nn.quat_sources` (whose
+#: ``QUAT_SOURCES`` are every source of the package). The old spelling ``"both"``
+#: of ``"composed"`` (``QUAT_SOURCE_ALIASES``) is read with a
+#: :class:`DeprecationWarning` and is none of these.
+GRAPHNET_QUAT_SOURCES = QUAT_SOURCES_OF["GraphNet"]
+#: Each of :data:`GRAPHNET_QUAT_SOURCES` with the QSVConv ``quat_source`` it selects.
+QUAT_SOURCE_TO_CONV = {s: conv_quat_source(s) for s in GRAPHNET_QUAT_SOURCES}
 #: Options of the quaternion field, which ``quat_source="features"`` does not have.
 FIELD_OPTIONS = ("frozen_field", "field_init", "field_per_head", "repulsion_k",
                  "repulsion_weight")
@@ -62,26 +63,31 @@ DEFAULT_WIDTHS = (64, 128, 128, 128, 128)
 #: It does not follow ``beta_init``, so a warm start (β₀ = 5) decays back to it.
 BETA_PRIOR_CENTRE = 0.79
 
+#: QSV-only arguments that every QSVConv of a GraphNet takes as given: their
+#: defaults are QSVConv's own, read from its signature (one place per value).
+CONV_KEYWORDS = ("routing", "transport", "beta_init", "learn_beta", "root_weight")
+_CONV_DEFAULTS = {name: inspect.signature(QSVConv.__init__).parameters[name].default
+                  for name in CONV_KEYWORDS}
+
 # Defaults of the QSV-only arguments. GraphNet takes them as ``None`` so that a
 # control (conv != "qsv") given any of them fails loudly instead of ignoring it.
+# Those of CONV_KEYWORDS are QSVConv's; the others are GraphNet's own (its
+# quat_source "field" is not QSVConv's "auto": the field is the model's).
 QSV_DEFAULTS = dict(
-    routing="learned",
-    transport="sandwich",
+    routing=_CONV_DEFAULTS["routing"],
+    transport=_CONV_DEFAULTS["transport"],
     quat_source="field",
     frozen_field=False,
     field_init="uniform",
     field_per_head=True,
-    beta_init=1.0,
-    learn_beta=True,
+    beta_init=_CONV_DEFAULTS["beta_init"],
+    learn_beta=_CONV_DEFAULTS["learn_beta"],
     beta_prior_centre=BETA_PRIOR_CENTRE,
     beta_prior_weight=0.01,
     repulsion_k=8,
     repulsion_weight=0.01,
-    root_weight=True,
+    root_weight=_CONV_DEFAULTS["root_weight"],
 )
-#: Old spellings of GraphNet keywords, still accepted: old name -> name (issue 21:
-#: ``beta_prior`` is the centre, whose flag and config key are ``beta_prior_centre``).
-RENAMED_KEYWORDS = {"beta_prior": "beta_prior_centre"}
 
 
 class GraphNet(ImageClassifier):
@@ -120,8 +126,9 @@ class GraphNet(ImageClassifier):
             coordinates on the lattice).
         transport: ``"sandwich"`` (default) or ``"identity"``.
         quat_source: ``"field"`` (default; the level's learned field),
-            ``"features"`` (a linear map of the features) or ``"both"`` (the field
-            composed with the feature quaternion).
+            ``"features"`` (a linear map of the features) or ``"composed"`` (the
+            field composed with the feature quaternion; its old spelling
+            ``"both"`` is read with a :class:`DeprecationWarning`).
         frozen_field: keep the fields at their random initialisation (``False``).
         field_init: ``"uniform"`` (default) or ``"identity"``, see
             :class:`QuaternionField`.
@@ -130,8 +137,7 @@ class GraphNet(ImageClassifier):
         beta_init: initial routing temperature (``1.0``).
         learn_beta: learn the temperatures (``True``).
         beta_prior_centre: centre of the log-temperature prior (``0.79``, the
-            paper's fixed point; independent of ``beta_init``). Its old name
-            ``beta_prior`` is still accepted.
+            paper's fixed point; independent of ``beta_init``).
         beta_prior_weight: weight of
             :math:`\sum (\log\beta - \log\beta_{prior})^2` over all layers and
             heads (``0.01``).
@@ -178,14 +184,10 @@ class GraphNet(ImageClassifier):
         repulsion_k: Optional[int] = None,
         repulsion_weight: Optional[float] = None,
         root_weight: Optional[bool] = None,
-        beta_prior: Optional[float] = None,
     ):
         # The QSV-only arguments, by the names QSV_DEFAULTS lists (taken before any
         # other local exists, so only parameters can match).
         given = {name: value for name, value in locals().items() if name in QSV_DEFAULTS}
-        if beta_prior is not None:
-            given["beta_prior_centre"] = _renamed("beta_prior", beta_prior,
-                                                  given["beta_prior_centre"])
         super().__init__()
         opts = self._resolve_qsv_options(conv, given)
         hierarchy = self._resolve_hierarchy(hierarchy, geometry, spec, k_cross, k_inner)
@@ -270,9 +272,8 @@ class GraphNet(ImageClassifier):
                 raise ValueError(f"{extra} only apply to conv='qsv', not conv={conv!r}")
         opts = {k: (default if given[k] is None else given[k])
                 for k, default in QSV_DEFAULTS.items()}
-        if opts["quat_source"] not in QUAT_SOURCES:
-            raise ValueError(f"quat_source={opts['quat_source']!r} is not supported; "
-                             f"choose one of {QUAT_SOURCES}")
+        # One of GRAPHNET_QUAT_SOURCES from here on (an old spelling warns).
+        opts["quat_source"] = resolve_quat_source(opts["quat_source"], "GraphNet")
         ignored = [k for k in FIELD_OPTIONS if given[k] is not None]
         if opts["quat_source"] == "features" and ignored:
             raise ValueError(f"{', '.join(map(repr, ignored))} configure the quaternion field, "
@@ -327,7 +328,7 @@ class GraphNet(ImageClassifier):
         prior = opts["beta_prior_centre"]
         if not (prior > 0 and math.isfinite(prior)):
             raise ValueError(f"beta_prior_centre must be a positive number, got {prior!r}")
-        self.log_beta_prior = math.log(prior)
+        self.log_beta_prior_centre = math.log(prior)
 
         # Repulsion needs a learnable field and same-level neighbours to repel.
         self.repulsion_levels: List[int] = []
@@ -435,7 +436,7 @@ class GraphNet(ImageClassifier):
                                for s in self.repulsion_levels]).mean()
             loss = loss + opts["repulsion_weight"] * rep
         if opts["beta_prior_weight"] > 0 and opts["learn_beta"]:
-            prior = sum((conv.log_beta - self.log_beta_prior).pow(2).sum()
+            prior = sum((conv.log_beta - self.log_beta_prior_centre).pow(2).sum()
                         for conv in self.qsv_convs().values())
             loss = loss + opts["beta_prior_weight"] * prior
         return loss
@@ -479,20 +480,12 @@ def _rebuild_static_csrs(module: "GraphNet", incompatible_keys) -> None:
     module._build_static_csrs()
 
 
-def _renamed(old: str, value: Any, current: Any) -> Any:
-    """The value of a keyword given by its old name (a :class:`DeprecationWarning`)."""
-    new = RENAMED_KEYWORDS[old]
-    if current is not None:
-        raise ValueError(f"pass {new} only ({old} is its old name)")
-    warnings.warn(f"GraphNet's {old}= is now called {new}=", DeprecationWarning, stacklevel=3)
-    return value
-
-
 def graph_net_default(name: str) -> Any:
     """GraphNet's default for keyword ``name``, where every other module reads it.
 
     The QSV-only keywords default to ``None`` in the signature (a control rejects
-    them), so theirs come from :data:`QSV_DEFAULTS`; the others from the signature.
+    them), so theirs come from :data:`QSV_DEFAULTS` (which reads those of
+    :data:`CONV_KEYWORDS` from QSVConv's signature); the others from the signature.
 
     Example:
         >>> graph_net_default("heads"), graph_net_default("beta_prior_weight")

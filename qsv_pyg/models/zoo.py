@@ -37,7 +37,6 @@ from .graph_net import (
     DEFAULT_HEADS,
     DEFAULT_WIDTHS,
     QSV_DEFAULTS,
-    RENAMED_KEYWORDS,
     GraphNet,
     graph_net_default,
 )
@@ -49,7 +48,16 @@ SHARED = ("k_cross", "k_inner", "heads", "patch_size", "image_size", "mlp_ratio"
           "within_rounds")
 SHELL_KEYS = ("shell_sizes", "shell_radii")
 LATTICE_KEYS = ("lattice_sides", )
-QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS) + tuple(RENAMED_KEYWORDS)
+QSV_KEYS = ("widths", "check_finite") + tuple(QSV_DEFAULTS)
+#: Model keywords that no longer exist, with what to pass instead. ``beta_prior`` was
+#: GraphNet's name of the prior's centre but the training configuration's (and
+#: ``--beta-prior``'s) of its weight; it now has that one meaning, as an old name read
+#: by the configuration only (``qsv_pyg.training.config.RENAMED_FIELDS``), so a
+#: model refuses it rather than guess.
+RETIRED_KEYWORDS = {
+    "beta_prior": "pass beta_prior_centre (what a model's beta_prior set before issue 21: "
+                  "the centre of the log-β prior) or beta_prior_weight (the prior's weight)",
+}
 CONTROL_KEYS = ("widths", "qsv_widths", "qsv_heads", "control_heads", "match_tol")
 #: ``control_heads``: heads of the attention controls unless overridden, their own
 #: setting from before QSV moved to the paper's 16 heads (16 heads of 4-8 channels
@@ -71,6 +79,10 @@ _GRAPH_KEYS = frozenset().union(*_ACCEPTS.values())
 def _check_overrides(model: str, overrides: Dict[str, Any], accepted: Iterable[str]) -> None:
     accepted = tuple(accepted)
     unknown = sorted(set(overrides) - set(accepted))
+    for key in unknown:
+        if key in RETIRED_KEYWORDS:
+            raise TypeError(f"{model}() got the retired keyword {key!r}: "
+                            f"{RETIRED_KEYWORDS[key]}")
     if unknown:
         raise TypeError(f"{model}() got unexpected override(s) "
                         f"{', '.join(map(repr, unknown))}; accepted: num_classes, "

@@ -3,12 +3,13 @@
 Every layer and model that takes a ``quat_source`` accepts a subset of
 :data:`QUAT_SOURCES`, named in :data:`QUAT_SOURCES_OF`, and resolves the value
 with :func:`resolve_quat_source` (old spellings of :data:`QUAT_SOURCE_ALIASES`
-are accepted). :class:`QuatSourceMixin` is how :class:`~qsv_pyg.nn.QSVConv`
-turns its source into the unit quaternions of a call: the feature maps it
-learns, the given quaternions it checks, and their composition.
+are read there, with a :class:`DeprecationWarning`). :class:`QuatSourceMixin` is how
+:class:`~qsv_pyg.nn.QSVConv` turns its source into the unit quaternions of a call: the
+feature maps it learns, the given quaternions it checks, and their composition.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Tuple, Union
 
 import torch
@@ -29,8 +30,10 @@ from .checks import check_finite, check_float
 #: ``"given"``); ``"composed"``: the given quaternions or the field, composed
 #: with the feature quaternions (``quat ⊗ q(x)``).
 QUAT_SOURCES = ("auto", "features", "given", "field", "composed")
-#: Old spellings, accepted wherever a source is given: ``"both"``, the image
-#: model's (and ``--quat-source``'s) name of ``"composed"``.
+#: Old spellings, read (with a :class:`DeprecationWarning`) wherever a source is
+#: given: ``"both"``, the image model's (and ``--quat-source``'s) old name of
+#: ``"composed"``. (The test-time intervention that turns routing and transport
+#: off is ``"both-off"``, :data:`qsv_pyg.analysis.INTERVENTIONS`.)
 QUAT_SOURCE_ALIASES = {"both": "composed"}
 #: The sources each layer and model accepts (subsets of :data:`QUAT_SOURCES`).
 QUAT_SOURCES_OF = {
@@ -42,9 +45,13 @@ QUAT_SOURCES_OF = {
 
 def resolve_quat_source(value: str, owner: str) -> str:
     """The canonical name of ``value`` (an alias of :data:`QUAT_SOURCE_ALIASES`
-    is accepted) if ``owner`` (a key of :data:`QUAT_SOURCES_OF`) accepts it;
+    is read, with a :class:`DeprecationWarning`) if ``owner`` (a key of :data:`QUAT_SOURCES_OF`) accepts it;
     else a :class:`ValueError` that names the accepted sources."""
-    name = QUAT_SOURCE_ALIASES.get(value, value) if isinstance(value, str) else value
+    name = value
+    if isinstance(value, str) and value in QUAT_SOURCE_ALIASES:
+        name = QUAT_SOURCE_ALIASES[value]
+        warnings.warn(f"quat_source={value!r} is an old spelling of {name!r}",
+                      DeprecationWarning, stacklevel=3)
     accepted = QUAT_SOURCES_OF[owner]
     if name not in accepted:
         raise ValueError(f"quat_source={value!r} is not supported; choose one of "
@@ -52,17 +59,10 @@ def resolve_quat_source(value: str, owner: str) -> str:
     return name
 
 
-def quat_source_spellings(owner: str) -> Tuple[str, ...]:
-    """The sources ``owner`` accepts, followed by their old spellings."""
-    accepted = QUAT_SOURCES_OF[owner]
-    return accepted + tuple(a for a, c in QUAT_SOURCE_ALIASES.items() if c in accepted)
-
-
 def conv_quat_source(name: str) -> str:
     """The :class:`~qsv_pyg.nn.QSVConv` ``quat_source`` that a model's source
     ``name`` asks of its convs: a model's field reaches them as given
-    quaternions."""
-    name = QUAT_SOURCE_ALIASES.get(name, name)
+    quaternions (``name``: a canonical source, see :func:`resolve_quat_source`)."""
     return "given" if name == "field" else name
 
 

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from qsv_pyg.data import DataError
@@ -74,9 +75,12 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kwargs["help"] += ": " + ", ".join(available_models())
     if meta["metavar"]:
         kwargs["metavar"] = meta["metavar"]
-    old_flags = [flag_of(old) for old in meta["aliases"]]  # still accepted
+    old_flags = [flag_of(old) for old in meta["aliases"]]  # read with a DeprecationWarning
     if old_flags:
         kwargs["help"] += f" (old spelling: {', '.join(old_flags)})"
+        if kind in (bool, dict, list):
+            raise TypeError(f"{f.name}: old flag names are supported for single values only")
+        kwargs.update(action=_StoreOldFlag, new_flag=flag_of(f.name))
     if kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind is dict:  # model_args: repeatable --model-arg KEY=VALUE
@@ -96,7 +100,25 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
 
 
 def _spelling(aliases: Dict[str, str], text: str) -> str:
-    return aliases.get(text, text)
+    if text not in aliases:
+        return text
+    warnings.warn(f"{text!r} is an old spelling of {aliases[text]!r}", DeprecationWarning,
+                  stacklevel=2)
+    return aliases[text]
+
+
+class _StoreOldFlag(argparse._StoreAction):
+    """``store``, with a :class:`DeprecationWarning` when the flag is an old name."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.new_flag:
+            warnings.warn(f"{option_string} is the old name of {self.new_flag}",
+                          DeprecationWarning, stacklevel=2)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_parser() -> argparse.ArgumentParser:

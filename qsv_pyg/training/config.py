@@ -20,10 +20,13 @@ declaration:
 One concept, one word: an ablation field, its flag, the model keyword it sets and
 its key in a table row are the same word (``beta_prior_weight``,
 ``--beta-prior-weight``); only ``frozen_beta`` sets the negation ``learn_beta``.
-Old names stay accepted (:data:`RENAMED_FIELDS`: as flags, as keys of a stored
-``config.json`` or checkpoint, of :meth:`TrainConfig.replace` and of a table row),
-and so do old spellings of values (``--quat-source both``). Defaults are not
-retyped here: the schedule's come from :data:`~qsv_pyg.training.presets.DEFAULT_SCHEDULE`,
+Old names are read where they arrive, each with a :class:`DeprecationWarning`
+(:data:`RENAMED_FIELDS`: as flags, as keys of a stored ``config.json`` or
+checkpoint, of :meth:`TrainConfig.replace` and of a table row), and so are old
+spellings of values (``--quat-source both``); nothing else uses them. Each old
+name has one meaning: ``beta_prior`` is the old name of ``beta_prior_weight``
+(the prior's centre is ``beta_prior_centre``; no model takes ``beta_prior``).
+Defaults are not retyped here: the schedule's come from :data:`~qsv_pyg.training.presets.DEFAULT_SCHEDULE`,
 the models' (shown in the help) from :func:`~qsv_pyg.models.graph_net.graph_net_default`.
 
 A configuration is assembled in three layers, later ones winning::
@@ -41,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
@@ -49,14 +53,14 @@ from qsv_pyg.data.cifar import CIFAR_NAMES
 from qsv_pyg.models import available_models
 # The model's option names, so a flag accepts exactly what the model does.
 from qsv_pyg.models.field import FIELD_INITS
-from qsv_pyg.models.graph_net import DEFAULT_HEADS, QUAT_SOURCES, graph_net_default
+from qsv_pyg.models.graph_net import DEFAULT_HEADS, GRAPHNET_QUAT_SOURCES, graph_net_default
 from qsv_pyg.models.zoo import CONTROL_HEADS
 from qsv_pyg.nn.qsv_conv import ROUTINGS, TRANSPORTS
 from qsv_pyg.nn.quat_sources import QUAT_SOURCE_ALIASES
 
 from . import fields as _fields
 from .fields import RESUME, ROW, SHARED, TABLE, ConfigError, flag_of, option
-from .optim import BACKENDS
+from .optim import OPTIMIZER_BACKENDS
 from .presets import (
     AUTO_PRESETS,
     CPU_SCALE_MODEL_ARGS,
@@ -73,9 +77,9 @@ __all__ = [
     "CPU_SCALE_SCHEDULE",
     "ConfigError",
     "FIELD_INITS",
+    "GRAPHNET_QUAT_SOURCES",
     "OPTIMIZER_BACKENDS",
     "PRESETS",
-    "QUAT_SOURCES",
     "RENAMED_FIELDS",
     "RESUME",
     "ROW",
@@ -96,7 +100,6 @@ __all__ = [
 ]
 
 AMP_MODES = ("none", "bf16", "fp16")
-OPTIMIZER_BACKENDS = BACKENDS
 BUDGET_CLOCKS = ("wall", "process")
 
 
@@ -106,9 +109,6 @@ _WHAT, _QSV, _OPTIM, _RUNTIME = ("what to train",
                                  "optimisation", "runtime")
 #: Largest seed: torch seeds are 64-bit, and each process adds its rank.
 MAX_SEED = 2**63 - 1
-#: ``--quat-source`` values: GraphNet's sources, without their old spellings
-#: (those are accepted as value aliases).
-_QUAT_SOURCE_CHOICES = tuple(s for s in QUAT_SOURCES if s not in QUAT_SOURCE_ALIASES)
 
 
 def _ablation(help: str, model_key: str, **kwargs: Any) -> Any:
@@ -157,7 +157,7 @@ class TrainConfig:
                                          "transport", choices=TRANSPORTS)
     quat_source: Optional[str] = _ablation(
         "origin of the quaternions (model default: {default})", "quat_source",
-        choices=_QUAT_SOURCE_CHOICES, value_aliases=QUAT_SOURCE_ALIASES)
+        choices=GRAPHNET_QUAT_SOURCES, value_aliases=QUAT_SOURCE_ALIASES)
     frozen_field: Optional[bool] = _ablation(
         "keep the quaternion fields at their random initialisation", "frozen_field")
     field_per_head: Optional[bool] = _ablation(
@@ -382,8 +382,9 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- field queries
 
 _FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
-#: Old field name -> field (issue 21: ``beta_prior`` was the prior's weight). Accepted
-#: as a flag, as a key of a stored configuration, of ``replace()`` and of a table row.
+#: Old field name -> field (issue 21: ``beta_prior`` was the prior's weight). Read, with
+#: a :class:`DeprecationWarning`, as a flag, as a key of a stored configuration, of
+#: ``replace()`` and of a table row.
 RENAMED_FIELDS: Dict[str, str] = {old: name for name, f in _FIELDS.items()
                                   for old in f.metadata["aliases"]}
 #: Values that reproduce the behaviour of configs saved before these fields existed
@@ -396,12 +397,15 @@ def upgrade_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
     """``values`` (field name -> value) with old names and old value spellings replaced.
 
     Old names are those of :data:`RENAMED_FIELDS`; old values those a field lists
-    as ``value_aliases`` (``quat_source`` ``"both"`` -> ``"composed"``). Every old
-    name has one meaning in every configuration ever written, so no format version
-    is needed.
+    as ``value_aliases`` (``quat_source`` ``"both"`` -> ``"composed"``); each one
+    read is a :class:`DeprecationWarning`. Every old name has one meaning in every
+    configuration ever written, so no format version is needed.
 
     Example:
-        >>> upgrade_keys({"beta_prior": 0.0, "quat_source": "both"})
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     upgrade_keys({"beta_prior": 0.0, "quat_source": "both"})
         {'beta_prior_weight': 0.0, 'quat_source': 'composed'}
 
     Raises:
@@ -410,16 +414,24 @@ def upgrade_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in values.items():
         name = RENAMED_FIELDS.get(key, key)
-        if name != key and name in values:
-            raise ConfigError(f"{key!r} is the old name of {name!r}; give only {name!r}")
+        if name != key:
+            if name in values:
+                raise ConfigError(f"{key!r} is the old name of {name!r}; give only {name!r}")
+            warnings.warn(f"{key!r} is the old name of {name!r}", DeprecationWarning,
+                          stacklevel=3)
         out[name] = _spelled_today(name, value)
     return out
 
 
 def _spelled_today(name: str, value: Any) -> Any:
-    """``value`` of field ``name``, an old spelling of it replaced (``"both"``)."""
+    """``value`` of field ``name``, an old spelling of it replaced (``"both"``, with a
+    :class:`DeprecationWarning`)."""
     aliases = _FIELDS[name].metadata["value_aliases"] if name in _FIELDS else {}
-    return aliases.get(value, value) if isinstance(value, str) else value
+    if not isinstance(value, str) or value not in aliases:
+        return value
+    warnings.warn(f"{name}={value!r} is an old spelling of {aliases[value]!r}",
+                  DeprecationWarning, stacklevel=4)
+    return aliases[value]
 
 
 def field_kind(name: str) -> Tuple[type, bool]:

@@ -35,7 +35,9 @@ from torch import nn
 
 from ..utils import import_geoopt
 
-BACKENDS = ("auto", "riemannian", "projected")
+#: Values of ``backend`` (``--optimizer``): the optimiser implementations (the kernel
+#: implementations are :data:`qsv_pyg.nn.qsv_kernel.BACKENDS`).
+OPTIMIZER_BACKENDS = ("auto", "riemannian", "projected")
 
 # Modules whose (affine) weights are scales, not features: decaying them to 0 is harmful.
 _NORM_TYPES: Tuple[type, ...] = tuple(
@@ -414,8 +416,8 @@ def build_optimizer(
             wrong shape or not registered in the model.
         ImportError: ``backend="riemannian"`` without geoopt installed.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in OPTIMIZER_BACKENDS:
+        raise ValueError(f"backend must be one of {OPTIMIZER_BACKENDS}, got {backend!r}")
     if lr <= 0:
         raise ValueError(f"lr must be positive, got {lr}")
     if weight_decay < 0:
