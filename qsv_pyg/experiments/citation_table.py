@@ -36,12 +36,13 @@ diagnosis rows, one documented change each, see ``DIAGNOSIS``):
 
 Every (row, seed) unit trains in its own run folder
 ``<out-root>/<dataset>/<row-slug>/seed<k>`` (``config.json``, ``log.jsonl``
-with one line per epoch, ``metrics.json``; see ``compare.run_unit``): a rerun
+with one line per epoch, ``metrics.json``; see :func:`~qsv_pyg.experiments.units.run_unit`): a rerun
 of the same command reuses the finished units, and ``--report-only`` rebuilds
 the table (``<out-root>/<dataset>/table.{md,csv,json}``) from the folders
 alone. The table covers every finished unit under ``<out-root>/<dataset>``.
 
-Data: ``<data-root>/Planetoid/<Name>/raw/ind.<name>.*`` (the files PyG
+Data: ``<data-dir>/Planetoid/<Name>/raw/ind.<name>.*`` (``--data-dir``, else
+``$QSV_DATA_DIR``) (the files PyG
 downloads), copied into ``--cache-root`` where ``Planetoid`` writes its
 ``processed/`` folder (the data root may be read-only). The copy is keyed on the
 raw files' content (``<cache-root>/<Name>-<digest>/``), so another data root
@@ -52,11 +53,15 @@ being trained by another process (its folder's ``run.lock``) exits 2 naming
 that process; a damaged ``metrics.json`` is named and left out of the table.
 Run::
 
-    python examples/citation.py                       # Cora, 6 rows x 10 seeds
-    python examples/citation.py --diagnose            # plus the diagnosis rows
-    python examples/citation.py --dataset CiteSeer
-    python examples/citation.py --report-only         # the table from the folders
-    python examples/citation.py --small               # 2 seeds x 30 epochs (a test)
+    python -m qsv_pyg.experiments.citation_table               # Cora, 6 rows x 10 seeds
+    python -m qsv_pyg.experiments.citation_table --diagnose    # plus the diagnosis rows
+    python -m qsv_pyg.experiments.citation_table --dataset CiteSeer
+    python -m qsv_pyg.experiments.citation_table --report-only # the table from the folders
+    python -m qsv_pyg.experiments.citation_table --small       # 2 seeds x 30 epochs (a test)
+
+(This was ``examples/citation.py``; that script is now a short example that
+trains one model. The units still record ``"script": "citation.py"``, so the
+committed run folders keep matching.)
 """
 from __future__ import annotations
 
@@ -69,20 +74,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-# compare first: it puts the checkout on sys.path when qsv_pyg is not installed.
-import compare
-from compare import Timer, fail, mean_std, num_params, run_unit, warm_up
+import torch_geometric
+import torch_geometric.transforms as T
+from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
 
-import torch_geometric  # noqa: E402
-import torch_geometric.transforms as T  # noqa: E402
-from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv  # noqa: E402
-
-import qsv_pyg  # noqa: E402
-from qsv_pyg.data import DataError  # noqa: E402
-from qsv_pyg.data.planetoid import PLANETOID_RAW, check_planetoid_raw  # noqa: E402
-from qsv_pyg.nn import QSVConv  # noqa: E402
-from qsv_pyg.nn.models import QSV  # noqa: E402
-from qsv_pyg.utils import cpu_name  # noqa: E402
+import qsv_pyg
+from qsv_pyg.data import DataError
+from qsv_pyg.data.planetoid import PLANETOID_RAW, check_planetoid_raw
+from qsv_pyg.experiments import compare
+from qsv_pyg.experiments.compare import (Timer, count_parameters, fail, mean_std, run_unit,
+                                         warm_up)
+from qsv_pyg.nn import QSVConv
+from qsv_pyg.nn.models import QSV
+from qsv_pyg.utils import cpu_name
 
 #: Bump when a change to this script changes what a unit trains or records:
 #: the folders of an older version then no longer match (use a new --out-root).
@@ -263,7 +267,7 @@ def load(data_root: Path, name: str, cache_root: Path):
     source = Path(data_root) / "Planetoid" / name
     raw = source / "raw"
     if not raw.is_dir():
-        fail(f"{name}: no folder {raw} (check --data-root {data_root} and --dataset)")
+        fail(f"{name}: no folder {raw} (check --data-dir {data_root} and --dataset)")
     try:
         check_planetoid_raw(raw, name)
     except DataError as error:
@@ -330,7 +334,7 @@ def train_unit(model: torch.nn.Module, data, epochs: int,
              "val_acc": val_acc, "test_acc": test_acc, "seconds": timer.seconds[-1]})
     return {"best_epoch": best["epoch"], "val_acc": best["val"], "test_acc": best["test"],
             "train_acc": best["train"], "final_test_acc": test_acc,
-            "params": num_params(model), "ms_per_epoch": 1000 * timer.per_epoch,
+            "params": count_parameters(model), "ms_per_epoch": 1000 * timer.per_epoch,
             "eval_ms": 1000 * statistics.fmean(eval_seconds),
             "train_paths": paths, "torch": torch.__version__,
             "pyg": torch_geometric.__version__, "qsv_pyg": qsv_pyg.__version__,
@@ -395,6 +399,7 @@ def report(root: Path, dataset: str, models: Optional[str]) -> Tuple[str, List[D
 # ---------------------------------------------------------------------- main
 def parser():
     p = compare.base_parser(__doc__.split("\n\n")[0])
+    p.prog = "python -m qsv_pyg.experiments.citation_table"
     p.set_defaults(seeds=None)
     for action in p._actions:  # base_parser's help names its own default
         if action.dest == "seeds":
@@ -440,7 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
         specs = [spec for _, spec in compare.selected(
             [(spec["name"], spec) for spec in candidates], args.models)]
         torch.set_num_threads(args.threads)
-        data, num_features, num_classes = load(args.data_root, dataset, args.cache_root)
+        data, num_features, num_classes = load(args.data_dir, dataset, args.cache_root)
         units = [(spec, seed) for spec in specs for seed in range(seeds)]
         from tqdm.auto import tqdm
         bar = tqdm(units, desc=f"citation {dataset}", unit="unit", disable=args.no_progress)

@@ -30,7 +30,7 @@ of ``n_c / K`` graphs of every class ``c``; the validation part takes
 ``<out-root>/<DATASET>/splits.json`` (train/val/test indices per fold), which a
 rerun reuses (a file that does not fit the data or ``--folds`` is an error).
 
-Data and features (``<data-root>/TUDataset/<NAME>/raw/``, copied into
+Data and features (``<data-dir>/TUDataset/<NAME>/raw/``, copied into
 ``--cache-root`` where ``TUDataset`` writes ``processed/``, keyed on the raw
 files' content so another data root never reuses the copy; the data root is
 read-only). Node features are the one-hot node labels (TUDataset's default),
@@ -66,8 +66,8 @@ graphs, cross-entropy (one setting for all rows, not tuned per row):
   would read zero padding) and, with no root weight, the heads never mix from
   one layer to the next. (QSV trains on its fused kernel.)
 * ``GAT`` (PyG ``GAT``), ``GATv2`` (``GAT(v2=True)``), ``Transformer``
-  (``compare.Transformer``): heads 4, hidden width chosen by
-  ``compare.matched_control`` so that the parameter count of the GNN is closest
+  (:class:`~qsv_pyg.experiments.compare.Transformer`): heads 4, hidden width chosen by
+  :func:`~qsv_pyg.experiments.compare.matched_control` so that the parameter count of the GNN is closest
   to QSV's on that dataset (~14-23k parameters, see ``costs.md``).
 * ``GIN``: PyG's ``GIN`` (2-layer MLPs, ``train_eps=False``, no batch norm, like
   the other rows), its hidden width matched to QSV's parameter count the same way
@@ -131,7 +131,7 @@ Every unit (one dataset, row and fold) trains in its own run folder
 one line per epoch — train loss and accuracy, validation and test accuracy,
 CPU seconds —, ``metrics.json`` with the selected epoch, its validation and test
 accuracy, the parameters, the time per epoch, the CPU and the versions; see
-``compare.run_unit``). Units run dataset by dataset, fold by fold, all rows of a
+:func:`~qsv_pyg.experiments.units.run_unit`). Units run dataset by dataset, fold by fold, all rows of a
 fold before the next fold, so an interrupted table holds whole folds (paired
 across rows); a rerun of the same command reuses the finished units and
 restarts the unfinished ones; ``--jobs N`` trains N units at a time in worker
@@ -144,13 +144,17 @@ the graphs of the smallest class (a test fold would lack it). The tables
 the published numbers beside ours), ``<out-root>/costs.*`` (parameters and
 CPU ms per epoch) and ``<out-root>/<DATASET>/table.*`` (per dataset). Run::
 
-    python examples/tu_graphs.py --jobs 2                 # the whole table
-    python examples/tu_graphs.py --dataset MUTAG,PROTEINS --models QSV,GIN
-    python examples/tu_graphs.py --report-only            # tables from the folders
-    python examples/tu_graphs.py --source-logit --models QSV   # QSV vs QSV +source
-    python examples/tu_graphs.py --edge-attr --dataset MUTAG   # + the '+edge' rows
-    python examples/tu_graphs.py --dataset MUTAG --max-folds 2 --epochs 15 \\
-        --out-root /tmp/tu-small                          # a tiny run
+    python -m qsv_pyg.experiments.tu_table --jobs 2                 # the whole table
+    python -m qsv_pyg.experiments.tu_table --dataset MUTAG,PROTEINS --models QSV,GIN
+    python -m qsv_pyg.experiments.tu_table --report-only            # tables from the folders
+    python -m qsv_pyg.experiments.tu_table --source-logit --models QSV   # QSV vs QSV +source
+    python -m qsv_pyg.experiments.tu_table --edge-attr --dataset MUTAG   # + the '+edge' rows
+    python -m qsv_pyg.experiments.tu_table --dataset MUTAG --max-folds 2 --epochs 15 \\
+        --out-root /tmp/tu-small                                    # a tiny run
+
+(This was ``examples/tu_graphs.py``; that script is now a short example that
+trains one model on one fold. The units still record ``"script": "tu_graphs.py"``,
+so the committed run folders keep matching.)
 
 Published numbers (test accuracy %, mean ± std over the 10 outer folds):
 Errica et al. 2020, Table 3 (chemical: NCI1, PROTEINS, ENZYMES, with node
@@ -180,20 +184,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import compare
-from compare import Timer, fail, mean_std, num_params, warm_up
+import torch_geometric
+from torch_geometric.nn import global_add_pool, global_mean_pool
+from torch_geometric.nn import MLP, GINEConv, MessagePassing
+from torch_geometric.nn.models import GIN
+from torch_geometric.nn.models.basic_gnn import BasicGNN
 
-import torch_geometric  # noqa: E402
-from torch_geometric.nn import global_add_pool, global_mean_pool  # noqa: E402
-from torch_geometric.nn import MLP, GINEConv, MessagePassing  # noqa: E402
-from torch_geometric.nn.models import GIN  # noqa: E402
-from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
-
-import qsv_pyg  # noqa: E402
-from qsv_pyg.nn import QSVConv  # noqa: E402
-from qsv_pyg.nn.models import QSV  # noqa: E402
-from qsv_pyg.training.run_files import read_json, write_text  # noqa: E402
-from qsv_pyg.utils import cpu_name  # noqa: E402
+import qsv_pyg
+from qsv_pyg.experiments import compare
+from qsv_pyg.experiments.compare import (Timer, count_parameters, fail, matched_width,
+                                         mean_std, warm_up)
+from qsv_pyg.nn import QSVConv
+from qsv_pyg.nn.models import QSV
+from qsv_pyg.training.run_files import read_json, write_text
+from qsv_pyg.utils import cpu_name
 
 #: Bump when a change to this script changes what a unit trains or records: the
 #: folders of an older version then no longer match (use a new --out-root).
@@ -342,19 +346,13 @@ def matched_gin(in_channels: int, target: int, num_layers: int, dropout: float,
                 edge_dim: Optional[int] = None) -> BasicGNN:
     """PyG's ``GIN`` (``GINE`` with ``edge_dim``) whose hidden width gives the
     parameter count closest to ``target`` (as ``compare.matched_control`` does for
-    the attention controls)."""
-    best = None
-    for width in range(1, 1025):
-        model = (GIN(in_channels, width, num_layers, dropout=dropout) if edge_dim is None
-                 else GINE(in_channels, width, num_layers, dropout=dropout,
-                           edge_dim=edge_dim))
-        gap = abs(num_params(model) - target)
-        if best is None or gap < best[0]:
-            best = (gap, model)
-        elif num_params(model) > target:
-            break
-    assert best is not None
-    return best[1]
+    the attention controls: :func:`~qsv_pyg.experiments.compare.matched_width`)."""
+    def build(width: int) -> BasicGNN:
+        if edge_dim is None:
+            return GIN(in_channels, width, num_layers, dropout=dropout)
+        return GINE(in_channels, width, num_layers, dropout=dropout, edge_dim=edge_dim)
+
+    return matched_width(build, target)
 
 
 def build_model(row: str, in_channels: int, num_classes: int,
@@ -371,8 +369,9 @@ def build_model(row: str, in_channels: int, num_classes: int,
     if base in ("QSV", SOURCE):
         gnn: torch.nn.Module = qsv_gnn(in_channels, hp, edge_dim)
     else:
-        target = num_params(qsv_gnn(in_channels, {**hp, "qsv_options": dict(QSV_OPTIONS)},
-                                    edge_dim))
+        with torch.random.fork_rng(devices=[]):  # the target's model is not kept
+            target = count_parameters(qsv_gnn(
+                in_channels, {**hp, "qsv_options": dict(QSV_OPTIONS)}, edge_dim))
         if base == "GIN":
             gnn = matched_gin(in_channels, target, hp["layers"], hp["dropout"], edge_dim)
         else:
@@ -402,10 +401,10 @@ def prepare_dataset(name: str, data_root: Path, cache_root: Path,
     from torch_geometric.datasets import TUDataset
     source = Path(data_root) / "TUDataset" / name
     if not (source / "raw").is_dir():
-        fail(f"{name}: no folder {source / 'raw'} (check --data-root {data_root} "
+        fail(f"{name}: no folder {source / 'raw'} (check --data-dir {data_root} "
              f"and --dataset)")
     use_attr = name in attribute_sets
-    # A copy keyed on the raw files' content: another --data-root never reuses it.
+    # A copy keyed on the raw files' content: another --data-dir never reuses it.
     with compare.dataset_copy(source, cache_root, name) as cache:
         try:
             dataset = TUDataset(str(cache), name, use_node_attr=use_attr)
@@ -652,7 +651,7 @@ def train_unit(graphs: list, split: Dict[str, List[int]], spec: Dict[str, Any],
         "val_acc": best["val_acc"], "test_acc": best["test_acc"],
         "val_loss": best["val_loss"], "train_loss": best["train_loss"],
         "train_acc": best["train_acc"], "final_test_acc": test_acc,
-        "params": num_params(model),
+        "params": count_parameters(model),
         "time_per_epoch": timer.per_epoch, "ms_per_epoch": 1000 * timer.per_epoch,
         "eval_ms_per_epoch": 1000 * statistics.fmean(eval_seconds),
         "cpu_seconds": sum(timer.seconds) + sum(eval_seconds),
@@ -846,6 +845,7 @@ def report(out_root: Path) -> str:
 # ----------------------------------------------------------------------- main
 def parser():
     p = compare.base_parser(__doc__.split("\n\n")[0])
+    p.prog = "python -m qsv_pyg.experiments.tu_table"
     p.set_defaults(seeds=None)
     for action in p._actions:  # base_parser's options that do not apply here
         if action.dest == "seeds":
@@ -940,7 +940,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     attribute_sets = names(args.node_attributes)
 
     # Every set is checked and prepared before anything trains.
-    specs = [prepare_dataset(name, args.data_root, args.cache_root, attribute_sets)
+    specs = [prepare_dataset(name, args.data_dir, args.cache_root, attribute_sets)
              for name in datasets]
     for spec in specs:
         check_folds(spec, args.folds)
