@@ -7,7 +7,6 @@ the data folder's listing is compared before and after.
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 BENCHMARKS = ROOT / "benchmarks"
 
 
@@ -30,7 +28,6 @@ def monkeypatch_module():
 @pytest.fixture(scope="module")
 def modelnet(monkeypatch_module):
     pytest.importorskip("torch_cluster")
-    monkeypatch_module.syspath_prepend(str(EXAMPLES))
     monkeypatch_module.syspath_prepend(str(BENCHMARKS))
     torch.set_num_threads(1)
     return importlib.import_module("modelnet_legacy")
@@ -38,8 +35,8 @@ def modelnet(monkeypatch_module):
 
 @pytest.fixture(scope="module")
 def data_root(modelnet):
-    import compare
-    root = Path(os.environ.get("QSV_DATA_ROOT", compare.DEFAULT_DATA_ROOT))
+    from qsv_pyg.experiments.units import default_data_dir
+    root = default_data_dir()
     if not (root / "ModelNet10").is_dir() or not list((root / "ModelNet10").glob("*.npz")):
         pytest.skip(f"no ModelNet10 npz under {root}")
     return root
@@ -61,7 +58,7 @@ def tiny_run(modelnet, data_root, tmp_path_factory):
     tested aligned, z and SO3 (in this process: --jobs 1)."""
     out = tmp_path_factory.mktemp("modelnet")
     before = _listing(data_root / "ModelNet10")
-    rows = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    rows = modelnet.main(["--data-dir", str(data_root), "--out-root", str(out), *TINY])
     assert _listing(data_root / "ModelNet10") == before
     return out, rows
 
@@ -102,7 +99,7 @@ def test_rerun_reuses_units_and_report_only_rebuilds(modelnet, data_root, tiny_r
         raise AssertionError("a finished unit was trained again")
 
     monkeypatch.setattr(modelnet, "train_unit", no_training)
-    again = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    again = modelnet.main(["--data-dir", str(data_root), "--out-root", str(out), *TINY])
     assert again == rows
     for name in ("table.md", "accuracy.png"):
         (out / name).unlink()
@@ -177,22 +174,22 @@ def _fails(modelnet, capsys, argv, needle):
 
 def test_bad_inputs_exit_2_with_one_line(modelnet, tmp_path, capsys):
     out = ["--out-root", str(tmp_path / "out"), "--small", "--no-progress"]
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), *out], "no folder")
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), *out], "no folder")
     fake = tmp_path / "Fake"
     fake.mkdir()
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "no .npz")
     rng = np.random.default_rng(0)
     np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
              y_train=np.arange(6) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"))
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "y_test")
     np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
              y_train=np.arange(5) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"),
              y_test=np.arange(3))
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "y_train")
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake",
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake",
                               "--models", "NoSuchModel", *out], "NoSuchModel")
     assert not (tmp_path / "out").exists()
 
@@ -208,7 +205,7 @@ def test_any_modelnet_style_npz_runs(modelnet, tmp_path):
              y_train=np.arange(24) % 3,
              pos_test=(rng.normal(size=(9, 80, 3)) * [1, 2, 3]).astype("f4"),
              y_test=np.arange(9) % 3)
-    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+    rows = modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Blobs",
                           "--out-root", str(tmp_path / "out"), "--models", "QSV xyz,DGCNN,"
                           "PointNet++", "--points", "64", "--epochs", "1", "--jobs", "2",
                           "--no-progress"])
@@ -256,7 +253,7 @@ def test_repeated_points_get_exactly_k_nearest_neighbours(modelnet, tmp_path):
     assert torch.isfinite(shapes["quat"]).all() and torch.isfinite(shapes["x_local"]).all()
     # The whole script on such data: trains, no traceback.
     _blobs(tmp_path / "Dups", repeat=True)
-    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Dups",
+    rows = modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Dups",
                           "--out-root", str(tmp_path / "out"), "--models", "QSV-geometric",
                           "--protocols", "aligned", "--points", "64", "--k", "8",
                           "--epochs", "1", "--no-progress"])
@@ -272,7 +269,7 @@ def test_a_failed_unit_cancels_the_queued_ones(modelnet, tmp_path, capfd):
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the unit's folder belongs")
     with pytest.raises((SystemExit, OSError)) as exc:
-        modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+        modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Blobs",
                        "--out-root", str(out), "--protocols", "aligned", "--points", "64",
                        "--epochs", "1", "--jobs", "2", "--no-progress"])
     started = [p for p in (out / "Blobs").glob("*/aligned/seed0") if p.is_dir()]
@@ -289,7 +286,7 @@ def test_unusable_out_root_exits_2(modelnet, tmp_path, capsys):
     _blobs(tmp_path / "Blobs")
     (tmp_path / "file").write_text("not a folder")
     for extra in ([], ["--report-only"]):
-        _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Blobs",
+        _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Blobs",
                                   "--out-root", str(tmp_path / "file" / "out"),
                                   "--models", "QSV xyz", "--points", "64", "--epochs", "1",
                                   "--no-progress", *extra], "--out-root")
@@ -325,7 +322,7 @@ def test_report_only_names_damaged_units_and_leaves_them_out(modelnet, tmp_path,
 
 def test_cli_missing_folder_exits_2(tmp_path):
     pytest.importorskip("torch_cluster")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "modelnet_legacy.py"), "--data-root",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "modelnet_legacy.py"), "--data-dir",
                            str(tmp_path), "--out-root", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
