@@ -10,7 +10,7 @@ short example of :class:`qsv_pyg.nn.models.QSVGeometric`.
 
 Data: ``<data-dir>/<dataset>/`` holds one ``.npz`` (or name it with ``--npz``)
 with ``pos_train [S, N, 3]``, ``y_train [S]``, ``pos_test``, ``y_test`` and
-optionally ``classes`` (see ``/work/shared/data/README.md``: ModelNet10 as 1,024
+optionally ``classes`` (see the data folder's ``README.md``: ModelNet10 as 1,024
 Poisson-disk points per shape, the official 3,991 / 908 split). Any npz with
 those arrays runs unchanged (e.g. ModelNet40 in the same layout). The data
 folder is only read.

@@ -1,5 +1,5 @@
 """benchmarks/modelnet_legacy.py (the old examples/modelnet.py table): ModelNet10 under rotations, on a tiny slice of the shared
-data (skipped where /work/shared/data/ModelNet10 or torch_cluster is absent).
+data (skipped where ``<data dir>/ModelNet10`` or torch_cluster is absent).
 
 Nothing is written next to the data: every run folder lives under tmp_path, and
 the data folder's listing is compared before and after.

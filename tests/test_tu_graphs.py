@@ -533,7 +533,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
     other = batch.clone()
     other.edge_attr = batch.edge_attr.flip(0)  # other bond labels on the same edges
     hp = tu.hyperparameters()
-    target = tu.num_params(tu.qsv_gnn(spec["num_features"], hp, 4))
+    target = tu.count_parameters(tu.qsv_gnn(spec["num_features"], hp, 4))
     for row in tu.candidate_rows(source_logit=True, edge_attr=True):
         torch = tu.torch
         torch.manual_seed(0)
@@ -543,7 +543,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
             changed = not torch.allclose(model(batch), model(other))
         assert changed == row.endswith(" +edge"), row
         if row in ("GAT +edge", "GATv2 +edge", "Transformer +edge", "GIN +edge"):
-            assert abs(tu.num_params(model.gnn) - target) < 0.1 * target, row
+            assert abs(tu.count_parameters(model.gnn) - target) < 0.1 * target, row
     gine = tu.build_model("GIN +edge", spec["num_features"], 2, hp, 4).gnn
     assert isinstance(gine, tu.GINE) and all(isinstance(c, GINEConv) for c in gine.convs)
     with pytest.raises(ValueError, match="edge_dim"):
