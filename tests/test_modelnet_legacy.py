@@ -7,6 +7,7 @@ the data folder's listing is compared before and after.
 from __future__ import annotations
 
 import importlib
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -135,12 +136,14 @@ def test_encoding_matches_point_clouds_and_tie_break_fixes_planar_frames(modelne
                                                                          data_root):
     from qsv_pyg.geometry import matrix_to_quaternion
     from qsv_pyg.quaternion import hamilton_product
-    point_clouds = importlib.import_module("point_clouds")
+    # examples/point_clouds.py, run by path (its encode() is the reference).
+    encode = runpy.run_path(str(ROOT / "examples" / "point_clouds.py"),
+                            run_name="point_clouds")["encode"]
     arrays = modelnet.load_arrays(next((data_root / "ModelNet10").glob("*.npz")), 512)
     pos = modelnet.normalise(arrays["pos_test"][::90], 512, 0)  # 11 shapes
     y = torch.from_numpy(arrays["y_test"][::90])
     plain = modelnet.encode(pos, y, 16, frames="pca")
-    ref = point_clouds.encode(pos[3], int(y[3]), 16)
+    ref = encode(pos[3], int(y[3]), 16)
     nbr = plain["nbr"][3].long().reshape(-1)
     assert torch.equal(torch.stack([nbr, torch.arange(512).repeat_interleave(16)]),
                        ref.edge_index)
