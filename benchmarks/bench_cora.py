@@ -1,6 +1,6 @@
-"""Cora training steps of every ``examples/citation.py`` row, timed side by side.
+"""Cora training steps of every row of the citation table, timed side by side.
 
-``examples/citation.py`` times each row's epochs while it trains, beside whatever
+The table (:mod:`qsv_pyg.experiments.citation_table`) times each row's epochs while it trains, beside whatever
 else shares the machine, so its "ms/epoch vs GATConv" column compares rows that may
 have run under different load (the diagnosis rows ran hours after the main ones).
 This script builds the same models (``citation.build`` with the same arguments, on
@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # citation.py and compare.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import citation  # noqa: E402
 import summarize  # noqa: E402
 from common import interleaved_median_times, machine_info, write_json  # noqa: E402
+from qsv_pyg.experiments import citation_table as citation  # noqa: E402
+from qsv_pyg.experiments.units import add_data_dir_arg  # noqa: E402
 from qsv_pyg.utils import resolve_device  # noqa: E402
 
 
@@ -54,9 +53,9 @@ def training_step(model: torch.nn.Module, data) -> callable:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=None,
-                        help="comma-separated row names of examples/citation.py (default: "
+                        help="comma-separated row names of the citation table (default: "
                              "every main and diagnosis row)")
-    parser.add_argument("--data-root", default=str(citation.compare.DEFAULT_DATA_ROOT))
+    add_data_dir_arg(parser)
     parser.add_argument("--dataset", default="Cora")
     parser.add_argument("--cache-root", default=None,
                         help="writable folder for the processed copy (default: a temporary one)")
@@ -86,7 +85,7 @@ def main(argv=None) -> dict:
     name = citation.canonical_name(args.dataset)
     with tempfile.TemporaryDirectory() as tmp:
         data, num_features, num_classes = citation.load(
-            Path(args.data_root), name, Path(args.cache_root or tmp))
+            Path(args.data_dir), name, Path(args.cache_root or tmp))
     data = data.to(device)
     steps, params = {}, {}
     for row_name in names:

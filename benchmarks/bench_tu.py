@@ -1,7 +1,7 @@
-"""TU training epochs of every ``examples/tu_graphs.py`` row, timed side by side.
+"""TU training epochs of every row of the TU table (:mod:`qsv_pyg.experiments.tu_table`), timed side by side.
 
 The TU table times each unit's epochs while it trains, beside whatever else shares
-the machine. This script builds the same models (``tu_graphs.build_model`` with the
+the machine. This script builds the same models (``tu_table.build_model`` with the
 table's settings, parameter-matched to QSV) on the same graphs (one-hot degrees for
 IMDB-BINARY, standardised attributes for ENZYMES, as the table) and times one
 training epoch of each over the first fold's training graphs in a fixed batch order
@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # tu_graphs.py and compare.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import summarize  # noqa: E402
-import tu_graphs  # noqa: E402
 from common import interleaved_median_times, machine_info, write_json  # noqa: E402
+from qsv_pyg.experiments import tu_table as tu_graphs  # noqa: E402
+from qsv_pyg.experiments.units import add_data_dir_arg  # noqa: E402
 
 ANCHOR = "GAT"
 
@@ -76,7 +75,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--datasets", nargs="+", default=list(tu_graphs.DATASETS))
     parser.add_argument("--rows", nargs="+", default=list(tu_graphs.ROWS),
                         choices=tu_graphs.ROWS)
-    parser.add_argument("--data-root", default=str(tu_graphs.compare.DEFAULT_DATA_ROOT))
+    add_data_dir_arg(parser)
     parser.add_argument("--cache-root", default=None,
                         help="writable folder for the processed copies (default: temporary)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (one epoch per row each)")
@@ -93,7 +92,7 @@ def main(argv=None) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
-            results += bench_dataset(name, Path(args.data_root), Path(args.cache_root or tmp),
+            results += bench_dataset(name, Path(args.data_dir), Path(args.cache_root or tmp),
                                      rows, args.repeats, args.min_time)
     print(f"TU: one training epoch (fold 0's training graphs) per row, median ms, side by "
           f"side ({torch.get_num_threads()} thread(s))\n")

@@ -8,9 +8,9 @@ This is the former ``examples/modelnet.py``, kept unchanged so that
 QSVGeometric and its ablations, VN-DGCNN); ``examples/modelnet.py`` is now a
 short example of :class:`qsv_pyg.nn.models.QSVGeometric`.
 
-Data: ``<data-root>/<dataset>/`` holds one ``.npz`` (or name it with ``--npz``)
+Data: ``<data-dir>/<dataset>/`` holds one ``.npz`` (or name it with ``--npz``)
 with ``pos_train [S, N, 3]``, ``y_train [S]``, ``pos_test``, ``y_test`` and
-optionally ``classes`` (see ``/work/shared/data/README.md``: ModelNet10 as 1,024
+optionally ``classes`` (see the data folder's ``README.md``: ModelNet10 as 1,024
 Poisson-disk points per shape, the official 3,991 / 908 split). Any npz with
 those arrays runs unchanged (e.g. ModelNet40 in the same layout). The data
 folder is only read.
@@ -67,8 +67,8 @@ Rows (``--models`` selects by prefix):
   sandwich transport: rotation-invariant by construction;
 * ``QSV xyz``: QSV on ``xyz`` inputs with feature quaternions;
 * ``GAT xyz|local``, ``Transformer xyz|local``: PyG's ``GAT`` and a
-  TransformerConv ``BasicGNN`` (compare.py), widths matched to ``QSV xyz``'s
-  parameter count by :func:`compare.matched_control`;
+  TransformerConv ``BasicGNN`` (:mod:`qsv_pyg.experiments.compare`), widths matched to ``QSV xyz``'s
+  parameter count by :func:`~qsv_pyg.experiments.compare.matched_control`;
 * ``DGCNN``: two dynamic EdgeConv layers on the (rotated) coordinates, as in
   PyG's ``examples/dgcnn_classification.py`` but narrow (PyG 2.8's
   ``DynamicEdgeConv`` takes its kNN from pyg-lib, which PyPI lacks: the same
@@ -81,7 +81,7 @@ Rows (``--models`` selects by prefix):
   5,316).
 
 The graph rows are 3 layers, hidden 32, 1 head, batch norm in the hidden layers,
-mean-pooled with a linear head (:class:`compare.PoolClassifier`): QSV-geometric
+mean-pooled with a linear head (:class:`~qsv_pyg.experiments.compare.PoolClassifier`): QSV-geometric
 4,909 parameters, QSV xyz 5,193, GAT 5,275, Transformer 5,208. All rows train
 with Adam (lr 0.01, cosine decay to 0 over the epochs), batch 32, cross-entropy.
 
@@ -140,15 +140,13 @@ from torch import Tensor
 
 import sys
 
-# This checkout's qsv_pyg (not another installed copy), and compare.py (the
-# examples' shared helpers) from examples/.
+# This checkout's qsv_pyg (not another installed copy).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from compare import (  # noqa: E402
-    NUMBER, PoolClassifier, QSV, Timer, add_data_args, check_folder, fail, finished_unit,
-    matched_control, mean_std, num_params, read_units, run_in_workers, run_unit, seed_all,
-    selected, warm_up, write_table)
+from qsv_pyg.experiments.compare import (  # noqa: E402
+    NUMBER, PoolClassifier, QSV, Timer, add_data_args, check_folder, count_parameters, fail,
+    finished_unit, matched_control, matched_width, mean_std, read_units, run_in_workers,
+    run_unit, seed_all, selected, warm_up, write_table)
 from torch_geometric.data import Data
 
 from qsv_pyg.models import point_controls
@@ -195,7 +193,7 @@ from qsv_pyg.experiments.modelnet_table import PUBLISHED, PUBLISHED_NOTE  # noqa
 def find_npz(data_root: Path, dataset: str, npz: Optional[str]) -> Path:
     folder = Path(data_root) / dataset
     if not folder.is_dir():
-        fail(f"{dataset}: no folder {folder} (check --data-root and --dataset)")
+        fail(f"{dataset}: no folder {folder} (check --data-dir and --dataset)")
     if npz is not None:
         path = Path(npz) if Path(npz).is_absolute() else folder / npz
         if not path.is_file():
@@ -216,7 +214,7 @@ def _one_line(error: BaseException) -> str:
 
 def load_arrays(path: Path, points: int) -> Dict[str, Any]:
     """The checked arrays of a ModelNet-style npz; any problem is a
-    :func:`compare.fail` (exit 2, one line)."""
+    :func:`~qsv_pyg.experiments.units.fail` (exit 2, one line)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [name for name in REQUIRED if name not in f.files]
@@ -425,23 +423,9 @@ class PointNet2(point_controls.PointNet2):
         return super().forward(data.pos, data.batch)
 
 
-def matched_width(build: Callable[[int], torch.nn.Module], target: int) -> torch.nn.Module:
-    """``build(w)`` for the width ``w`` whose parameter count is closest to ``target``."""
-    best = None
-    for w in range(1, 257):
-        model = build(w)
-        gap = abs(num_params(model) - target)
-        if best is None or gap < best[0]:
-            best = (gap, model)
-        elif num_params(model) > target:
-            break
-    assert best is not None
-    return best[1]
-
-
 def _qsv_target() -> int:
     """The parameter count the controls match: ``QSV xyz``'s GNN."""
-    return num_params(QSV(4, HIDDEN, LAYERS, heads=HEADS, **GNN_KW))
+    return count_parameters(QSV(4, HIDDEN, LAYERS, heads=HEADS, **GNN_KW))
 
 
 def _gnn_row(build: Callable[[], torch.nn.Module], kind: str):
@@ -606,7 +590,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     test = {protocol: accuracy(model, shape_set(path, cfg, "test", protocol), kind)
             for protocol in TESTS[cfg["train"]]}
     return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "test": test,
-            "params": num_params(model), "time_per_epoch": timer.per_epoch,
+            "params": count_parameters(model), "time_per_epoch": timer.per_epoch,
             "epoch_seconds": timer.seconds,
             "encode_seconds_per_epoch": statistics.fmean(encode_seconds)
             if encode_seconds else 0.0,
@@ -806,7 +790,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     check_folder(args.out_root, "--out-root")
     if args.report_only:
         return report(args.out_root, args.dataset)
-    path = find_npz(args.data_root, args.dataset, args.npz)
+    path = find_npz(args.data_dir, args.dataset, args.npz)
     arrays = _arrays(str(path), args.points)
     n_train = len(subset(len(arrays["y_train"]), args.max_train, 0))
     n_test = len(subset(len(arrays["y_test"]), args.max_test, 0))

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compare import (CONTROLS, QSV, PoolClassifier, base_parser, collect,
-                     matched_control, num_params, print_table, seed_all, selected,
-                     train_graphs)
+from qsv_pyg.experiments.compare import (CONTROLS, QSV, PoolClassifier, base_parser,
+                                         collect, matched_control, count_parameters,
+                                         print_table, seed_all, selected, train_graphs)
 from torch_geometric.data import Data
 from torch_geometric.loader import DataLoader
 from torch_geometric.utils import (barabasi_albert_graph, degree, erdos_renyi_graph,
@@ -84,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     train = DataLoader(make_split(per_class, 0), batch_size=32, shuffle=True)
     test = {"acc": DataLoader(make_split(per_class, 1), batch_size=256)}
     c = MAX_DEGREE + 1
-    target = num_params(QSV(c, hidden, layers, heads=heads))
+    target = count_parameters(QSV(c, hidden, layers, heads=heads))
     specs = [("QSV", lambda: QSV(c, hidden, layers, heads=heads)),
              ("QSV identity-transport",
               lambda: QSV(c, hidden, layers, heads=heads, transport="identity"))] + [
@@ -96,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             seed_all(seed)
             model = PoolClassifier(build(), len(FAMILIES))
             out = train_graphs(model, train, test, epochs)
-            collect(results, name, num_params(model), out["time"], acc=out["acc"])
+            collect(results, name, count_parameters(model), out["time"], acc=out["acc"])
     print_table(f"Graph classification: {len(FAMILIES)} random-graph families, "
                 f"{per_class} train / {per_class} test graphs per class, 20-40 nodes "
                 f"(chance {1 / len(FAMILIES):.2f}); {epochs} epochs, {args.seeds} seeds",

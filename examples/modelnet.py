@@ -1,6 +1,6 @@
 """Rotation-invariant ModelNet10 classification with QSVGeometric.
 
-The shapes come from the shared npz (``<data-root>/ModelNet10/*.npz``: 1,024
+The shapes come from an npz (``<data-dir>/ModelNet10/*.npz``: 1,024
 Poisson-disk points per shape, the official 3,991 / 908 split; it has no meshes,
 so PyG's ``SamplePoints`` does not apply and every shape becomes a
 ``Data(pos, y)``). ``qsv_pyg.transforms`` prepares each cloud once, as a PyG
@@ -9,14 +9,13 @@ every point's local frame. :class:`qsv_pyg.nn.models.QSVGeometric` reads them
 from the batch and is invariant to rotations of the input by construction:
 trained on aligned shapes, it scores the same on randomly rotated test shapes.
 
-    python examples/modelnet.py --epochs 20
+    python examples/modelnet.py --epochs 20 --data-dir DIR   # or set $QSV_DATA_DIR
 
 The side-by-side table (VN-DGCNN, DGCNN, PointNet++, ablations, equal CPU time
 per unit) is ``python -m qsv_pyg.experiments.modelnet_table``.
 """
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,14 +25,13 @@ from torch_geometric.loader import DataLoader
 
 import qsv_pyg.transforms as QT
 from qsv_pyg.nn.models import QSVGeometric
+from qsv_pyg.experiments.units import add_data_dir_arg
 from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
-
-DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-root", type=Path, default=DATA_ROOT)
+    add_data_dir_arg(parser, "ModelNet10/*.npz")
     parser.add_argument("--points", type=int, default=512, help="points per shape")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -93,7 +91,7 @@ def test(model, loader):
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    path = next((args.data_root / "ModelNet10").glob("*.npz"))
+    path = next((args.data_dir / "ModelNet10").glob("*.npz"))
     # What the model reads, computed once per cloud (a PyG pre_transform).
     prepare = T.Compose([QT.NormalizeRadius(), QT.KNNGraph(k=args.k), QT.LocalFrames()])
     train = [prepare(d) for d in load_split(path, "train", args.points, args.max_train, 1)]

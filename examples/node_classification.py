@@ -23,9 +23,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from compare import (CONTROLS, QSV, Timer, base_parser, collect, matched_control,
-                     num_params, print_table, rotation_angle, seed_all, selected,
-                     warm_up)
+from qsv_pyg.experiments.compare import (CONTROLS, QSV, Timer, base_parser, collect,
+                                         matched_control, count_parameters,
+                                         print_table, rotation_angle, seed_all,
+                                         selected, warm_up)
 from torch_geometric.data import Data
 from torch_geometric.datasets import KarateClub
 from torch_geometric.utils import stochastic_blockmodel_graph
@@ -85,7 +86,7 @@ def compare(data: Data, num_classes: int, epochs: int, seeds: int,
             variants: List[tuple], models: Optional[str] = None) -> dict:
     """Train every ``(name, builder)`` of ``variants`` and the matched controls."""
     in_channels = data.num_features
-    target = num_params(variants[0][1]())
+    target = count_parameters(variants[0][1]())
     specs = list(variants) + [
         (name, lambda name=name: matched_control(name, in_channels, target, LAYERS,
                                                  num_classes, HEADS, dropout=DROPOUT))
@@ -96,7 +97,7 @@ def compare(data: Data, num_classes: int, epochs: int, seeds: int,
             seed_all(seed)
             model = build()
             out = fit(model, data, epochs)
-            collect(results, name, num_params(model), out.pop("time"), **out)
+            collect(results, name, count_parameters(model), out.pop("time"), **out)
     return results
 
 

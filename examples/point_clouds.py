@@ -28,9 +28,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from compare import (PoolClassifier, QSV, CONTROLS, base_parser, collect,
-                     matched_control, num_params, print_table, seed_all, selected,
-                     train_graphs)
+from qsv_pyg.experiments.compare import (PoolClassifier, QSV, CONTROLS, base_parser,
+                                         collect, matched_control, count_parameters,
+                                         print_table, seed_all, selected, train_graphs)
 from torch_cluster import knn_graph
 from torch_geometric.data import Data
 from torch_geometric.loader import DataLoader
@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                      transport="identity", **qsv_kw)),
         ("QSV-features xyz", "x_xyz", lambda: QSV(4, hidden, layers, **qsv_kw)),
     ]
-    target = num_params(QSV(4, hidden, layers, **qsv_kw))
+    target = count_parameters(QSV(4, hidden, layers, **qsv_kw))
     for name in CONTROLS:
         for key in ("x_xyz", "x_local"):
             specs.append((f"{name} {key[2:]}", key,
@@ -145,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             model = PoolClassifier(gnn, num_classes,
                                    (lambda b: {"quat": b.quat}) if uses_quat else None)
             out = train_graphs(model, train_loader, test_loaders, epochs)
-            collect(results, row, num_params(model), out["time"], aligned=out["aligned"],
+            collect(results, row, count_parameters(model), out["time"], aligned=out["aligned"],
                     rotated=out["rotated"])
     print_table(f"Point clouds: {num_classes} shapes, {n} points, k={k}; trained "
                 f"aligned, tested aligned and randomly rotated (chance "

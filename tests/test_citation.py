@@ -1,7 +1,8 @@
-"""examples/citation.py: Planetoid under gat.py's protocol, at a tiny size.
+"""qsv_pyg.experiments.citation_table (the citation table: Planetoid under gat.py's
+protocol) and examples/citation.py (the short example), at a tiny size.
 
-The training tests need the shared Planetoid files (``<data root>/Planetoid/Cora/raw``,
-the data root being ``$QSV_PYG_DATA`` or ``compare.DEFAULT_DATA_ROOT``) and skip
+The training tests need the shared Planetoid files (``<data dir>/Planetoid/Cora/raw``,
+the data folder being ``$QSV_DATA_DIR`` or ``units.FALLBACK_DATA_DIR``) and skip
 cleanly where they are absent. Nothing is written into the data root: the dataset
 is processed in a copy under ``tmp_path`` (asserted by listing the shared folder
 before and after).
@@ -10,43 +11,34 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import pickle
+import runpy
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "citation.py"
 ROWS = "GATConv,QSVConv recipe"
 EPOCHS = 20
 
 
 @pytest.fixture(scope="module")
 def citation():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(EXAMPLES))
-        yield importlib.import_module("citation")
+    return importlib.import_module("qsv_pyg.experiments.citation_table")
 
 
 def data_root() -> Path:
-    env = os.environ.get("QSV_PYG_DATA")
-    if env:
-        return Path(env)
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        return importlib.import_module("compare").DEFAULT_DATA_ROOT
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    from qsv_pyg.experiments.units import default_data_dir
+    return default_data_dir()
 
 
 def cora_or_skip() -> Path:
     root = data_root()
     if not (root / "Planetoid" / "Cora" / "raw").is_dir():
-        pytest.skip(f"no Planetoid Cora files under {root} (set QSV_PYG_DATA)")
+        pytest.skip(f"no Planetoid Cora files under {root} (set QSV_DATA_DIR)")
     return root
 
 
@@ -56,7 +48,7 @@ def listing(folder: Path):
 
 
 def argv(root: Path, tmp: Path, *extra: str):
-    return ["--data-root", str(root), "--cache-root", str(tmp / "cache"),
+    return ["--data-dir", str(root), "--cache-root", str(tmp / "cache"),
             "--out-root", str(tmp / "out"), "--models", ROWS, "--seeds", "1",
             "--epochs", str(EPOCHS), "--no-progress", *extra]
 
@@ -116,7 +108,7 @@ def test_rerun_reuses_units_and_report_only_rebuilds_the_table(citation, trained
     capsys.readouterr()
     # No data needed: a data root that does not exist is never looked at.
     rows = citation.main(["--report-only", "--out-root", str(out),
-                          "--data-root", str(trained["tmp"] / "nowhere")])
+                          "--data-dir", str(trained["tmp"] / "nowhere")])
     assert rows == trained["rows"]
     assert (out / "Cora" / "table.md").read_text() == table
     printed = capsys.readouterr().out
@@ -141,10 +133,10 @@ def test_unknown_dataset_exits_2(citation, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_data_root_exits_2(citation, tmp_path, capsys):
+def test_missing_data_dir_exits_2(citation, tmp_path, capsys):
     missing = tmp_path / "no-such-root"
     with pytest.raises(SystemExit) as info:
-        citation.main(["--data-root", str(missing), "--out-root", str(tmp_path / "out"),
+        citation.main(["--data-dir", str(missing), "--out-root", str(tmp_path / "out"),
                        "--cache-root", str(tmp_path / "cache"), "--no-progress"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
@@ -158,7 +150,7 @@ def test_missing_raw_files_are_named(citation, tmp_path, capsys):
     (raw / "ind.cora.graph").unlink()
     (raw / "ind.cora.ty").unlink()
     with pytest.raises(SystemExit) as info:
-        citation.main(["--data-root", str(tmp_path / "data"), "--no-progress",
+        citation.main(["--data-dir", str(tmp_path / "data"), "--no-progress",
                        "--out-root", str(tmp_path / "out"),
                        "--cache-root", str(tmp_path / "cache")])
     assert info.value.code == 2
@@ -176,7 +168,7 @@ def test_any_planetoid_name_laid_out_the_same_way_runs(citation, tmp_path):
     for f in (root / "Planetoid" / "Cora" / "raw").iterdir():
         shutil.copy(f, raw / f.name.replace("ind.cora.", "ind.citeseer."))
     torch.set_num_threads(1)
-    rows = citation.main(["--dataset", "citeseer", "--data-root", str(tmp_path / "data"),
+    rows = citation.main(["--dataset", "citeseer", "--data-dir", str(tmp_path / "data"),
                           "--cache-root", str(tmp_path / "cache"),
                           "--out-root", str(tmp_path / "out"), "--models", "GATConv",
                           "--seeds", "1", "--epochs", "2", "--no-progress"])
@@ -230,7 +222,7 @@ def test_a_crafted_raw_file_exits_2_and_runs_nothing(citation, tmp_path, capsys)
     raw = _cora_copy(tmp_path)
     marker = tmp_path / "marker"
     (raw / "ind.cora.x").write_bytes(pickle.dumps(_Payload(marker), protocol=2))
-    argv = ["--data-root", str(tmp_path / "data"), "--cache-root", str(tmp_path / "cache"),
+    argv = ["--data-dir", str(tmp_path / "data"), "--cache-root", str(tmp_path / "cache"),
             "--out-root", str(tmp_path / "out"), "--models", "GATConv", "--seeds", "1",
             "--epochs", "1", "--no-progress"]
     err = _one_line_exit_2(capsys, citation.main, argv)
@@ -255,7 +247,7 @@ def test_unusable_folders_and_threads_exit_2(citation, tmp_path, capsys, out, ca
     root = cora_or_skip()
     (tmp_path / "file").write_text("not a folder")
     err = _one_line_exit_2(capsys, citation.main, [
-        "--data-root", str(root), "--models", "GATConv", "--seeds", "1", "--epochs", "1",
+        "--data-dir", str(root), "--models", "GATConv", "--seeds", "1", "--epochs", "1",
         "--no-progress", "--out-root", str(tmp_path / out),
         "--cache-root", str(tmp_path / cache), *extra])
     assert all(needle in err for needle in needles), err
@@ -331,7 +323,7 @@ def test_bench_cora_times_rows_side_by_side(tmp_path, capsys):
         bench_cora = importlib.import_module("bench_cora")
         before = listing(root / "Planetoid")
         out = tmp_path / "bench_cora.json"
-        payload = bench_cora.main(["--data-root", str(root), "--rows", "QSVConv recipe",
+        payload = bench_cora.main(["--data-dir", str(root), "--rows", "QSVConv recipe",
                                    "--quick", "--cache-root", str(tmp_path / "cache"),
                                    "--out", str(out)])
         assert [r["row"] for r in payload["rows"]] == ["GATConv", "QSVConv recipe"]
@@ -344,4 +336,42 @@ def test_bench_cora_times_rows_side_by_side(tmp_path, capsys):
         summarize.main([str(out)])
         assert "| QSVConv recipe | 94,988 |" in capsys.readouterr().out
         with pytest.raises(SystemExit):
-            bench_cora.main(["--data-root", str(root), "--rows", "QSVConv nope", "--quick"])
+            bench_cora.main(["--data-dir", str(root), "--rows", "QSVConv nope", "--quick"])
+
+
+def test_data_root_is_a_deprecated_alias_of_data_dir(citation, tmp_path, capsys):
+    """--data-root still works: a DeprecationWarning and a one-line notice, then the
+    same one-line error as --data-dir for a folder without the data."""
+    missing = tmp_path / "no-such-root"
+    with pytest.warns(DeprecationWarning, match="--data-dir"):
+        with pytest.raises(SystemExit) as info:
+            citation.main(["--data-root", str(missing), "--out-root", str(tmp_path / "out"),
+                           "--cache-root", str(tmp_path / "cache"), "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "deprecated" in err[0] and str(missing) in err[1], err
+
+
+def test_data_dir_defaults_to_the_environment(citation, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QSV_DATA_DIR", str(tmp_path / "from-env"))
+    err = _one_line_exit_2(capsys, citation.main, [
+        "--out-root", str(tmp_path / "out"), "--cache-root", str(tmp_path / "cache"),
+        "--no-progress"])
+    assert str(tmp_path / "from-env" / "Planetoid" / "Cora" / "raw") in err
+
+
+def test_example_trains_one_model(tmp_path, capsys):
+    """examples/citation.py, the gat.py-style example, run by path: it learns."""
+    root = cora_or_skip()
+    torch.set_num_threads(1)
+    main = runpy.run_path(str(EXAMPLE), run_name="example")["main"]
+    result = main(["--data-dir", str(root), "--cache-root", str(tmp_path / "cache"),
+                   "--epochs", "20"])
+    assert result["test_acc"] > 0.5, result  # 7 classes
+    assert "Epoch: 020" in capsys.readouterr().out
+
+
+def test_example_names_the_table_for_table_flags(capsys):
+    main = runpy.run_path(str(EXAMPLE), run_name="example")["main"]
+    err = _one_line_exit_2(capsys, main, ["--report-only"])
+    assert "python -m qsv_pyg.experiments.citation_table --report-only" in err

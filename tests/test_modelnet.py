@@ -3,15 +3,15 @@ shared ModelNet10 npz (skipped where it is absent): it learns above chance and
 its predictions do not change when the test shapes are rotated."""
 from __future__ import annotations
 
-import importlib
 import os
+import runpy
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA_ROOTS = [Path(os.environ["QSV_DATA_ROOT"])] if "QSV_DATA_ROOT" in os.environ else [
+DATA_ROOTS = [Path(os.environ["QSV_DATA_DIR"])] if "QSV_DATA_DIR" in os.environ else [
     ROOT.parent / "shared" / "data"]
 
 
@@ -22,12 +22,11 @@ def _data_root() -> Path:
     pytest.skip(f"no ModelNet10 npz under {', '.join(map(str, DATA_ROOTS))}")
 
 
-def test_example_learns_above_chance_and_is_rotation_invariant(monkeypatch, capsys):
+def test_example_learns_above_chance_and_is_rotation_invariant(capsys):
     root = _data_root()
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    example = importlib.import_module("modelnet")
+    main = runpy.run_path(str(ROOT / "examples" / "modelnet.py"), run_name="example")["main"]
     torch.set_num_threads(1)
-    result = example.main(["--data-root", str(root), "--points", "32", "--k", "8",
+    result = main(["--data-dir", str(root), "--points", "32", "--k", "8",
                            "--epochs", "2", "--max-train", "240", "--max-test", "80",
                            "--batch-size", "8", "--lr", "0.001"])
     # 10 classes: chance 0.10; the test split is nearly balanced (its largest

@@ -1,6 +1,5 @@
 """benchmarks/modelnet_legacy.py (the old examples/modelnet.py table): ModelNet10 under rotations, on a tiny slice of the shared
-data (skipped where ``$QSV_DATA_ROOT`` or ``../shared/data`` beside the checkout has no
-ModelNet10, or torch_cluster is absent).
+data (skipped where ``<data dir>/ModelNet10`` or torch_cluster is absent).
 
 Nothing is written next to the data: every run folder lives under tmp_path, and
 the data folder's listing is compared before and after.
@@ -8,7 +7,7 @@ the data folder's listing is compared before and after.
 from __future__ import annotations
 
 import importlib
-import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 BENCHMARKS = ROOT / "benchmarks"
 
 
@@ -31,7 +29,6 @@ def monkeypatch_module():
 @pytest.fixture(scope="module")
 def modelnet(monkeypatch_module):
     pytest.importorskip("torch_cluster")
-    monkeypatch_module.syspath_prepend(str(EXAMPLES))
     monkeypatch_module.syspath_prepend(str(BENCHMARKS))
     torch.set_num_threads(1)
     return importlib.import_module("modelnet_legacy")
@@ -39,8 +36,8 @@ def modelnet(monkeypatch_module):
 
 @pytest.fixture(scope="module")
 def data_root(modelnet):
-    import compare
-    root = Path(os.environ.get("QSV_DATA_ROOT", compare.DEFAULT_DATA_ROOT))
+    from qsv_pyg.experiments.units import default_data_dir
+    root = default_data_dir()
     if not (root / "ModelNet10").is_dir() or not list((root / "ModelNet10").glob("*.npz")):
         pytest.skip(f"no ModelNet10 npz under {root}")
     return root
@@ -62,7 +59,7 @@ def tiny_run(modelnet, data_root, tmp_path_factory):
     tested aligned, z and SO3 (in this process: --jobs 1)."""
     out = tmp_path_factory.mktemp("modelnet")
     before = _listing(data_root / "ModelNet10")
-    rows = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    rows = modelnet.main(["--data-dir", str(data_root), "--out-root", str(out), *TINY])
     assert _listing(data_root / "ModelNet10") == before
     return out, rows
 
@@ -103,7 +100,7 @@ def test_rerun_reuses_units_and_report_only_rebuilds(modelnet, data_root, tiny_r
         raise AssertionError("a finished unit was trained again")
 
     monkeypatch.setattr(modelnet, "train_unit", no_training)
-    again = modelnet.main(["--data-root", str(data_root), "--out-root", str(out), *TINY])
+    again = modelnet.main(["--data-dir", str(data_root), "--out-root", str(out), *TINY])
     assert again == rows
     for name in ("table.md", "accuracy.png"):
         (out / name).unlink()
@@ -139,12 +136,14 @@ def test_encoding_matches_point_clouds_and_tie_break_fixes_planar_frames(modelne
                                                                          data_root):
     from qsv_pyg.geometry import matrix_to_quaternion
     from qsv_pyg.quaternion import hamilton_product
-    point_clouds = importlib.import_module("point_clouds")
+    # examples/point_clouds.py, run by path (its encode() is the reference).
+    encode = runpy.run_path(str(ROOT / "examples" / "point_clouds.py"),
+                            run_name="point_clouds")["encode"]
     arrays = modelnet.load_arrays(next((data_root / "ModelNet10").glob("*.npz")), 512)
     pos = modelnet.normalise(arrays["pos_test"][::90], 512, 0)  # 11 shapes
     y = torch.from_numpy(arrays["y_test"][::90])
     plain = modelnet.encode(pos, y, 16, frames="pca")
-    ref = point_clouds.encode(pos[3], int(y[3]), 16)
+    ref = encode(pos[3], int(y[3]), 16)
     nbr = plain["nbr"][3].long().reshape(-1)
     assert torch.equal(torch.stack([nbr, torch.arange(512).repeat_interleave(16)]),
                        ref.edge_index)
@@ -178,22 +177,22 @@ def _fails(modelnet, capsys, argv, needle):
 
 def test_bad_inputs_exit_2_with_one_line(modelnet, tmp_path, capsys):
     out = ["--out-root", str(tmp_path / "out"), "--small", "--no-progress"]
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), *out], "no folder")
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), *out], "no folder")
     fake = tmp_path / "Fake"
     fake.mkdir()
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "no .npz")
     rng = np.random.default_rng(0)
     np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
              y_train=np.arange(6) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"))
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "y_test")
     np.savez(fake / "fake.npz", pos_train=rng.normal(size=(6, 200, 3)).astype("f4"),
              y_train=np.arange(5) % 3, pos_test=rng.normal(size=(3, 200, 3)).astype("f4"),
              y_test=np.arange(3))
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake", *out],
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake", *out],
            "y_train")
-    _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Fake",
+    _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Fake",
                               "--models", "NoSuchModel", *out], "NoSuchModel")
     assert not (tmp_path / "out").exists()
 
@@ -209,7 +208,7 @@ def test_any_modelnet_style_npz_runs(modelnet, tmp_path):
              y_train=np.arange(24) % 3,
              pos_test=(rng.normal(size=(9, 80, 3)) * [1, 2, 3]).astype("f4"),
              y_test=np.arange(9) % 3)
-    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+    rows = modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Blobs",
                           "--out-root", str(tmp_path / "out"), "--models", "QSV xyz,DGCNN,"
                           "PointNet++", "--points", "64", "--epochs", "1", "--jobs", "2",
                           "--no-progress"])
@@ -257,7 +256,7 @@ def test_repeated_points_get_exactly_k_nearest_neighbours(modelnet, tmp_path):
     assert torch.isfinite(shapes["quat"]).all() and torch.isfinite(shapes["x_local"]).all()
     # The whole script on such data: trains, no traceback.
     _blobs(tmp_path / "Dups", repeat=True)
-    rows = modelnet.main(["--data-root", str(tmp_path), "--dataset", "Dups",
+    rows = modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Dups",
                           "--out-root", str(tmp_path / "out"), "--models", "QSV-geometric",
                           "--protocols", "aligned", "--points", "64", "--k", "8",
                           "--epochs", "1", "--no-progress"])
@@ -273,7 +272,7 @@ def test_a_failed_unit_cancels_the_queued_ones(modelnet, tmp_path, capfd):
     blocked.parent.mkdir(parents=True)
     blocked.write_text("a file where the unit's folder belongs")
     with pytest.raises((SystemExit, OSError)) as exc:
-        modelnet.main(["--data-root", str(tmp_path), "--dataset", "Blobs",
+        modelnet.main(["--data-dir", str(tmp_path), "--dataset", "Blobs",
                        "--out-root", str(out), "--protocols", "aligned", "--points", "64",
                        "--epochs", "1", "--jobs", "2", "--no-progress"])
     started = [p for p in (out / "Blobs").glob("*/aligned/seed0") if p.is_dir()]
@@ -290,7 +289,7 @@ def test_unusable_out_root_exits_2(modelnet, tmp_path, capsys):
     _blobs(tmp_path / "Blobs")
     (tmp_path / "file").write_text("not a folder")
     for extra in ([], ["--report-only"]):
-        _fails(modelnet, capsys, ["--data-root", str(tmp_path), "--dataset", "Blobs",
+        _fails(modelnet, capsys, ["--data-dir", str(tmp_path), "--dataset", "Blobs",
                                   "--out-root", str(tmp_path / "file" / "out"),
                                   "--models", "QSV xyz", "--points", "64", "--epochs", "1",
                                   "--no-progress", *extra], "--out-root")
@@ -326,7 +325,7 @@ def test_report_only_names_damaged_units_and_leaves_them_out(modelnet, tmp_path,
 
 def test_cli_missing_folder_exits_2(tmp_path):
     pytest.importorskip("torch_cluster")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "modelnet_legacy.py"), "--data-root",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "modelnet_legacy.py"), "--data-dir",
                            str(tmp_path), "--out-root", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

@@ -33,7 +33,7 @@ def _write_npz(folder: Path, shapes=48, points=40, seed=0) -> Path:
 
 
 def _args(data_root, out_root, *extra):
-    return ["--data-root", str(data_root), "--dataset", "Toy", "--out-root", str(out_root),
+    return ["--data-dir", str(data_root), "--dataset", "Toy", "--out-root", str(out_root),
             "--points", "24", "--batch-size", "8", "--lr", "0.01", "--no-progress",
             *extra]
 
@@ -115,7 +115,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     for argv in (["--points", "2000"], ["--budget-cpu-s", "0"], ["--rows", "nope"],
                  ["--protocols", "z"]):
         with pytest.raises(SystemExit) as info:
-            M.main(["--data-root", str(tmp_path), "--out-root", str(tmp_path / "o"),
+            M.main(["--data-dir", str(tmp_path), "--out-root", str(tmp_path / "o"),
                     *argv])
         assert info.value.code == 2
         err = capsys.readouterr().err.strip()

@@ -187,10 +187,10 @@ def test_the_usage_pipeline_runs_on_meshes():
 
 
 def _modelnet_npz() -> Path:
-    """``$QSV_DATA_ROOT`` or ``shared/data`` beside the checkout (or beside the
-    folder of worktrees holding it), as examples/compare.py looks for it."""
+    """``$QSV_DATA_DIR`` or ``shared/data`` beside the checkout (or beside the
+    folder of worktrees holding it), as qsv_pyg.experiments.units looks for it."""
     here = Path(__file__).resolve().parents
-    roots = ([Path(os.environ["QSV_DATA_ROOT"])] if "QSV_DATA_ROOT" in os.environ else
+    roots = ([Path(os.environ["QSV_DATA_DIR"])] if "QSV_DATA_DIR" in os.environ else
              [here[2] / "shared" / "data", here[3] / "shared" / "data"])
     for root in roots:
         path = root / "ModelNet10" / "modelnet10_pcd1024.npz"

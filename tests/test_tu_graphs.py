@@ -1,5 +1,5 @@
-"""examples/tu_graphs.py at a tiny size: the fair-comparison TU table (Errica et al.
-2020) on MUTAG and IMDB-BINARY from the shared data folder (skipped where it is
+"""qsv_pyg.experiments.tu_table (the fair-comparison TU table, Errica et al. 2020)
+and examples/tu_graphs.py (the short example) at a tiny size, on MUTAG and IMDB-BINARY from the shared data folder (skipped where it is
 absent). Nothing is written into the shared folder: the caches and run folders
 are temporary directories."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import runpy
 import shutil
 import statistics
 import sys
@@ -16,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-#: $QSV_PYG_DATA (as tests/test_citation.py), else compare.DEFAULT_DATA_ROOT.
-DATA_ROOT = Path(os.environ.get("QSV_PYG_DATA")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tu_graphs.py"
+#: $QSV_DATA_DIR, else shared/data beside the checkout (units.default_data_dir).
+DATA_ROOT = Path(os.environ.get("QSV_DATA_DIR")
                  or Path(__file__).resolve().parents[2] / "shared" / "data")
 TU = DATA_ROOT / "TUDataset"
 
@@ -43,20 +44,14 @@ def listing(root: Path) -> list:
 
 @pytest.fixture(scope="module")
 def tu():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        module = importlib.import_module("tu_graphs")
-        yield module
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return importlib.import_module("qsv_pyg.experiments.tu_table")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def default_data_root(tu):
-    """The scripts' default --data-root is DATA_ROOT (also where $QSV_PYG_DATA
-    names another folder than compare.DEFAULT_DATA_ROOT)."""
+    """The table's default --data-dir is DATA_ROOT ($QSV_DATA_DIR)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tu.compare, "DEFAULT_DATA_ROOT", DATA_ROOT)
+        mp.setenv("QSV_DATA_DIR", str(DATA_ROOT))
         yield
 
 
@@ -297,7 +292,7 @@ def test_enzymes_gets_its_18_attributes(tu, cache):
 # ----------------------------------------------------------------- bad input
 @pytest.mark.parametrize("argv, needle", [
     (["--dataset", "NO-SUCH-SET"], "NO-SUCH-SET"),
-    (["--dataset", "MUTAG", "--data-root", "/nonexistent/data"], "/nonexistent/data"),
+    (["--dataset", "MUTAG", "--data-dir", "/nonexistent/data"], "/nonexistent/data"),
     (["--dataset", "MUTAG", "--models", "XYZ"], "XYZ"),
     (["--dataset", "MUTAG", "--max-folds", "11"], "--max-folds"),
     (["--dataset", "MUTAG", "--jobs", "0"], "--jobs"),
@@ -453,7 +448,7 @@ def test_bench_tu_times_rows_side_by_side(tu, cache, tmp_path, capsys):
         sys.path.remove(str(bench))
     out = tmp_path / "bench_tu.json"
     payload = bench_tu.main(["--datasets", "MUTAG", "--rows", "QSV", "--quick",
-                             "--data-root", str(DATA_ROOT), "--cache-root", str(cache),
+                             "--data-dir", str(DATA_ROOT), "--cache-root", str(cache),
                              "--out", str(out)])
     rows = payload["rows"]
     assert [r["row"] for r in rows] == ["GAT", "QSV"] and rows[0]["vs_gat"] == 1.0
@@ -538,7 +533,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
     other = batch.clone()
     other.edge_attr = batch.edge_attr.flip(0)  # other bond labels on the same edges
     hp = tu.hyperparameters()
-    target = tu.num_params(tu.qsv_gnn(spec["num_features"], hp, 4))
+    target = tu.count_parameters(tu.qsv_gnn(spec["num_features"], hp, 4))
     for row in tu.candidate_rows(source_logit=True, edge_attr=True):
         torch = tu.torch
         torch.manual_seed(0)
@@ -548,7 +543,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
             changed = not torch.allclose(model(batch), model(other))
         assert changed == row.endswith(" +edge"), row
         if row in ("GAT +edge", "GATv2 +edge", "Transformer +edge", "GIN +edge"):
-            assert abs(tu.num_params(model.gnn) - target) < 0.1 * target, row
+            assert abs(tu.count_parameters(model.gnn) - target) < 0.1 * target, row
     gine = tu.build_model("GIN +edge", spec["num_features"], 2, hp, 4).gnn
     assert isinstance(gine, tu.GINE) and all(isinstance(c, GINEConv) for c in gine.convs)
     with pytest.raises(ValueError, match="edge_dim"):
@@ -594,3 +589,21 @@ def test_edge_and_node_only_units_never_mix(tu, variants, cache, monkeypatch):
         tu.compare.finished_unit(out / "MUTAG" / "gat-edge" / "fold0", node)
     assert {k for k in edge if edge.get(k) != node.get(k)} == {"model", "edge_dim",
                                                                "edge_features"}
+
+
+# ------------------------------------------------------- examples/tu_graphs.py
+def test_example_trains_one_fold(cache, capsys):
+    """examples/tu_graphs.py, the short example, run by path: one MUTAG fold."""
+    main = runpy.run_path(str(EXAMPLE), run_name="example")["main"]
+    best = main(["--data-dir", str(DATA_ROOT), "--cache-root", str(cache), "--epochs", "5"])
+    assert 1 <= best["epoch"] <= 5 and 0.0 <= best["test_acc"] <= 1.0
+    assert "MUTAG fold 0: test accuracy" in capsys.readouterr().out
+
+
+def test_example_names_the_table_for_table_flags(capsys):
+    main = runpy.run_path(str(EXAMPLE), run_name="example")["main"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--report-only", "--out-root", "x"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m qsv_pyg.experiments.tu_table --report-only" in err[0]

@@ -194,7 +194,7 @@ def test_a_cache_root_that_is_a_file_exits_2(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ Planetoid
-CORA = Path(os.environ.get("QSV_PYG_DATA")
+CORA = Path(os.environ.get("QSV_DATA_DIR")
             or Path(__file__).resolve().parents[2] / "shared" / "data") / "Planetoid" / "Cora" / "raw"
 
 

@@ -11,6 +11,13 @@
 * :mod:`~qsv_pyg.experiments.report`: ``table.md``, ``table.csv``,
   ``results.json``, ``accuracy.png`` and ``beta_probe.png`` from the summary.
 * :mod:`~qsv_pyg.experiments.cli`: the command line of ``examples/reproduce.py``.
+* the real-data tables, each ``python -m qsv_pyg.experiments.<name>``:
+  :mod:`~qsv_pyg.experiments.citation_table` (Planetoid, gat.py's protocol),
+  :mod:`~qsv_pyg.experiments.tu_table` (TU sets, Errica et al.'s protocol),
+  :mod:`~qsv_pyg.experiments.modelnet_table` (ModelNet10 at equal CPU time); their
+  run folders, locks, dataset cache and data folder are
+  :mod:`~qsv_pyg.experiments.units`, the controls and matched widths
+  :mod:`~qsv_pyg.experiments.compare`.
 
 Command line: ``python examples/reproduce.py --help``.
 """

@@ -28,7 +28,7 @@ log line gives ``planned_epochs``, the epochs the budget holds estimated from
 the epoch times so far (after the first epoch: from its time). Then it is evaluated once on the
 validation split and on the test sets (their time is reported, not budgeted).
 
-**Data.** ``<data-root>/<dataset>/*.npz`` with ``pos_train [S, N, 3]``,
+**Data.** ``<data-dir>/<dataset>/*.npz`` (``--data-dir``, else ``$QSV_DATA_DIR``) with ``pos_train [S, N, 3]``,
 ``y_train``, ``pos_test``, ``y_test`` (and ``classes``): ModelNet10 as 1,024
 Poisson-disk points per shape, the official 3,991 / 908 split. Every shape is
 centred and scaled to the unit sphere, then subsampled to ``--points`` (a fixed
@@ -66,8 +66,8 @@ import torch
 from torch import Tensor
 
 from ..training.run_files import atomic_write, write_csv, write_json, write_text
-from .units import (NUMBER, check_folder, fail, finished_unit, read_units, run_in_workers,
-                    run_unit)
+from .units import (NUMBER, add_data_dir_arg, check_folder, fail, finished_unit, read_units,
+                    run_in_workers, run_unit)
 
 __all__ = ["PUBLISHED", "PUBLISHED_NOTE", "ROWS", "ROW_NAMES", "TESTS", "COLUMNS", "main",
            "report", "train_unit", "stratified_split", "load_arrays", "rotations",
@@ -75,7 +75,6 @@ __all__ = ["PUBLISHED", "PUBLISHED_NOTE", "ROWS", "ROW_NAMES", "TESTS", "COLUMNS
 
 DATASET = "ModelNet10"
 OUT_ROOT = "docs/results/modelnet_table"
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")
 #: Train protocol -> its test protocols (the columns are train/test).
 TESTS: Dict[str, Tuple[str, ...]] = {"aligned": ("aligned", "z", "so3"), "so3": ("so3",)}
@@ -183,7 +182,7 @@ def build_model(row: str, num_classes: int) -> torch.nn.Module:
 def find_npz(data_root: Path, dataset: str, npz: Optional[str]) -> Path:
     folder = Path(data_root) / dataset
     if not folder.is_dir():
-        fail(f"{dataset}: no folder {folder} (check --data-root and --dataset)")
+        fail(f"{dataset}: no folder {folder} (check --data-dir and --dataset)")
     if npz is not None:
         path = Path(npz) if Path(npz).is_absolute() else folder / npz
         if not path.is_file():
@@ -697,8 +696,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m qsv_pyg.experiments.modelnet_table",
         description="ModelNet10 rotation table at equal CPU time per unit")
-    parser.add_argument("--data-root", type=Path, default=DEFAULT_DATA_ROOT,
-                        help=f"folder holding the datasets (default {DEFAULT_DATA_ROOT})")
+    add_data_dir_arg(parser)
     parser.add_argument("--dataset", default=DATASET, help=f"default {DATASET}")
     parser.add_argument("--npz", default=None, help="the npz (default: the folder's only one)")
     parser.add_argument("--out-root", type=Path, default=Path(OUT_ROOT),
@@ -790,7 +788,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     check_folder(args.out_root, "--out-root")
     if args.report_only:
         return report(args.out_root, args.dataset)
-    path = find_npz(args.data_root, args.dataset, args.npz)
+    path = find_npz(args.data_dir, args.dataset, args.npz)
     arrays = load_arrays(path, args.points)
     units = units_of(args, path, arrays)
     todo = [(f, c) for f, c in units if finished_unit(Path(f), c) is None]

@@ -1,5 +1,7 @@
-"""The units of the example tables (``examples/citation.py``, ``tu_graphs.py``,
-``modelnet.py``): one run folder per unit, its lock, the dataset cache, and the
+"""The units of the real-data tables (:mod:`~qsv_pyg.experiments.citation_table`,
+:mod:`~qsv_pyg.experiments.tu_table`, :mod:`~qsv_pyg.experiments.modelnet_table`,
+``benchmarks/modelnet_legacy.py``): one run folder per unit, its lock, the
+dataset cache, the data folder (``--data-dir`` / ``$QSV_DATA_DIR``), and the
 reading of finished units for ``--report-only``.
 
 Every unit (one model on one seed, fold or protocol) trains in its own folder::
@@ -21,7 +23,7 @@ What a user may rely on:
   reused by everyone.
 * **Nothing mixed.** A folder holding another configuration is refused
   (:func:`finished_unit`); the dataset cache is keyed on the content of the
-  source folder (:func:`dataset_copy`), so another ``--data-root`` never reuses
+  source folder (:func:`dataset_copy`), so another ``--data-dir`` never reuses
   a copy of different data.
 * **Damaged units are named, not fatal.** :func:`read_units` leaves out a unit
   whose ``config.json`` or ``metrics.json`` is unreadable, not a JSON object,
@@ -32,12 +34,14 @@ What a user may rely on:
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import os
 import secrets
 import shutil
 import sys
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -54,10 +58,45 @@ except ImportError:  # not POSIX: the cache copy is made without a lock
     fcntl = None
 
 __all__ = ["fail", "check_folder", "finished_unit", "run_unit", "read_units",
-           "run_in_workers", "source_digest", "dataset_copy", "NUMBER"]
+           "run_in_workers", "source_digest", "dataset_copy", "NUMBER", "DATA_DIR_ENV",
+           "default_data_dir", "add_data_dir_arg"]
 
 #: The root flag of the example tables, named in their errors.
 OUT_ROOT_FLAG = "--out-root"
+
+#: The environment variable naming the data folder (as for ``qsv-train``'s
+#: ``--data-dir``): it holds ``Planetoid/``, ``TUDataset/``, ``ModelNet10/``...
+DATA_DIR_ENV = "QSV_DATA_DIR"
+#: The data folder when neither ``--data-dir`` nor ``$QSV_DATA_DIR`` names one:
+#: ``shared/data`` beside the checkout (the team's shared, read-only folder).
+FALLBACK_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def default_data_dir() -> Path:
+    """``$QSV_DATA_DIR`` when set, else :data:`FALLBACK_DATA_DIR`."""
+    env = os.environ.get(DATA_DIR_ENV)
+    return Path(env).expanduser() if env else FALLBACK_DATA_DIR
+
+
+class _DeprecatedDataRoot(argparse.Action):
+    """``--data-root``: the old name of ``--data-dir``; still works, with a
+    ``DeprecationWarning`` and a one-line notice on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        message = f"{option_string} is deprecated; use --data-dir (or ${DATA_DIR_ENV})"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        print(f"note: {message}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_data_dir_arg(parser: argparse.ArgumentParser, what: str = "the datasets") -> None:
+    """``--data-dir DIR`` (default :func:`default_data_dir`) and its deprecated
+    alias ``--data-root``; both set ``args.data_dir``."""
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), metavar="DIR",
+                        help=f"folder holding {what} (default: ${DATA_DIR_ENV}, else "
+                             f"shared/data beside the checkout)")
+    parser.add_argument("--data-root", dest="data_dir", type=Path, metavar="DIR",
+                        action=_DeprecatedDataRoot, help="deprecated alias of --data-dir")
 
 
 def fail(message: str) -> NoReturn:
@@ -316,7 +355,7 @@ def dataset_copy(source: Path, cache_root: Path, what: str,
     """
     source = Path(source)
     if not source.is_dir():
-        fail(f"{what}: no folder {source} (check --data-root and --dataset)")
+        fail(f"{what}: no folder {source} (check --data-dir and --dataset)")
     cache = Path(cache_root).expanduser()
     check_folder(cache, flag)
     stack = contextlib.ExitStack()

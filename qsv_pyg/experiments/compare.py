@@ -1,4 +1,7 @@
-"""Shared parts of the comparison examples (node/graph classification, point clouds).
+"""Shared parts of the comparison examples (``examples/node_classification.py``,
+``graph_classification.py``, ``point_clouds.py``) and of the real-data tables
+(:mod:`~qsv_pyg.experiments.citation_table`, :mod:`~qsv_pyg.experiments.tu_table`,
+``benchmarks/modelnet_legacy.py``).
 
 The models: PyG's ``GAT`` (GATConv), ``GAT(v2=True)`` (GATv2Conv), a ``BasicGNN`` of
 TransformerConv layers, and :class:`qsv_pyg.nn.models.QSV`, all with the same depth,
@@ -18,25 +21,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-try:
-    import qsv_pyg  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torch_geometric.nn import TransformerConv, global_mean_pool
+from torch_geometric.nn.models import GAT
+from torch_geometric.nn.models.basic_gnn import BasicGNN
 
-from torch_geometric.nn import TransformerConv, global_mean_pool  # noqa: E402
-from torch_geometric.nn.models import GAT  # noqa: E402
-from torch_geometric.nn.models.basic_gnn import BasicGNN  # noqa: E402
-
-from qsv_pyg.nn import unit_quaternion  # noqa: E402
-from qsv_pyg.nn.models import QSV  # noqa: E402
-from qsv_pyg.experiments.units import (NUMBER, check_folder, dataset_copy,  # noqa: E402
-                                       fail, finished_unit, read_units, run_in_workers,
-                                       run_unit)
-from qsv_pyg.training.run_files import write_csv, write_json, write_text  # noqa: E402
-
-#: Where the real-data tables look for their data unless ``--data-root`` says
-#: otherwise: the team's shared folder beside the checkout (``../shared/data``).
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
+from ..models.matching import count_parameters, match_width
+from ..nn import unit_quaternion
+from ..nn.models import QSV
+from ..training.run_files import write_csv, write_json, write_text
+from .units import (NUMBER, add_data_dir_arg, check_folder, dataset_copy, default_data_dir,
+                    fail, finished_unit, read_units, run_in_workers, run_unit)
 
 
 class Transformer(BasicGNN):
@@ -65,25 +59,28 @@ def _controls() -> Dict[str, Callable[..., BasicGNN]]:
 CONTROLS = tuple(_controls())
 
 
-def num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def matched_width(build: Callable[[int], torch.nn.Module], target: int, step: int = 1,
+                  base: int = 64) -> torch.nn.Module:
+    """``build(width)`` at the width (a positive multiple of ``step``) whose parameter
+    count is closest to ``target``: :func:`~qsv_pyg.models.matching.match_width`
+    over the scale of ``base``. The search runs under a forked RNG and the chosen
+    width is built once more after it, so the model's initial weights depend on
+    the seed alone, not on how many candidates the search built."""
+    def width(scale: float) -> int:
+        return step * max(1, round(base * scale / step))
+
+    with torch.random.fork_rng(devices=[]):
+        _, scale = match_width(lambda s: build(width(s)), target, tol=0.5)
+    return build(width(scale))
 
 
 def matched_control(name: str, in_channels: int, target: int, num_layers: int,
                     out_channels: Optional[int], heads: int, **kwargs) -> BasicGNN:
     """The control ``name`` whose hidden width (a multiple of ``heads``) gives the
-    parameter count closest to ``target``."""
+    parameter count closest to ``target`` (:func:`matched_width`)."""
     build = _controls()[name]
-    best = None
-    for width in range(heads, 1025, heads):
-        model = build(in_channels, width, num_layers, out_channels, heads=heads, **kwargs)
-        gap = abs(num_params(model) - target)
-        if best is None or gap < best[0]:
-            best = (gap, model)
-        elif num_params(model) > target:
-            break
-    assert best is not None
-    return best[1]
+    return matched_width(lambda w: build(in_channels, w, num_layers, out_channels,
+                                         heads=heads, **kwargs), target, step=heads)
 
 
 class PoolClassifier(torch.nn.Module):
@@ -237,7 +234,7 @@ def collect(results: Dict[str, dict], name: str, params: int, time_per_epoch: fl
 
 
 # ------------------------------------------------------------ real-data tables
-# citation.py, tu_graphs.py and modelnet.py train every unit of their table (one
+# citation_table, tu_table and benchmarks/modelnet_legacy.py train every unit of their table (one
 # model on one seed, fold or protocol) in its own run folder under --out-root
 # (config.json, log.jsonl, metrics.json; run.lock while it trains). The machinery
 # (the unit's lock, reuse and restart, --report-only's reading, the dataset
@@ -290,10 +287,9 @@ def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> 
 
 
 def add_data_args(parser: argparse.ArgumentParser, dataset: str, out_root: str) -> None:
-    """``--data-root``, ``--dataset``, ``--out-root`` and ``--report-only`` of the
-    real-data tables."""
-    parser.add_argument("--data-root", type=Path, default=DEFAULT_DATA_ROOT,
-                        help=f"folder holding the datasets (default {DEFAULT_DATA_ROOT})")
+    """``--data-dir`` (``--data-root``: its deprecated alias), ``--dataset``,
+    ``--out-root`` and ``--report-only`` of the real-data tables."""
+    add_data_dir_arg(parser)
     parser.add_argument("--dataset", default=dataset, help=f"dataset (default {dataset})")
     parser.add_argument("--out-root", type=Path, default=Path(out_root),
                         help=f"run folders and the table (default {out_root})")
@@ -302,8 +298,9 @@ def add_data_args(parser: argparse.ArgumentParser, dataset: str, out_root: str) 
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-__all__ = ["QSV", "Transformer", "PoolClassifier", "train_graphs", "CONTROLS", "num_params",
-           "matched_control", "seed_all", "rotation_angle", "Timer", "warm_up", "fmt", "print_table",
-           "base_parser", "selected", "collect", "DEFAULT_DATA_ROOT", "fail", "finished_unit",
+__all__ = ["QSV", "Transformer", "PoolClassifier", "train_graphs", "CONTROLS",
+           "count_parameters", "matched_width", "matched_control", "seed_all",
+           "rotation_angle", "Timer", "warm_up", "fmt", "print_table", "base_parser",
+           "selected", "collect", "default_data_dir", "fail", "finished_unit",
            "run_unit", "read_units", "write_table", "dataset_copy", "check_folder",
            "run_in_workers", "NUMBER", "mean_std", "add_data_args"]
