@@ -60,7 +60,8 @@ PRECISIONS = ("fp32", "bf16")
 #: The nodes of the warm-up graphs (a multiple of 16, as the benchmarks' sizes:
 #: Triton specialises integer arguments on divisibility by 16).
 WARMUP_NODES = 64
-KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols")
+KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols", "unit_rows",
+           "unit_rows_backward")
 
 Variant = Tuple[str, Tuple[Tuple[str, str], ...], Tuple[Tuple[str, object], ...]]
 
