@@ -428,7 +428,7 @@ def unit_rows(q, out, R, EPS: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr)
     w, x, y, z = _load4(q, offs * 4, rm, ACC)
     norm = tl.sqrt(w * w + x * x + y * y + z * z)
     small = norm <= EPS
-    n = tl.where(norm > EPS, norm, EPS)  # clamp_min, NaN kept
+    n = tl.where(small, EPS, norm)  # clamp_min: a NaN norm stays NaN
     _store4(out, offs * 4, rm, tl.where(small, 1.0, w / n), tl.where(small, 0.0, x / n),
             tl.where(small, 0.0, y / n), tl.where(small, 0.0, z / n))
 
@@ -444,7 +444,7 @@ def unit_rows_backward(q, g, out, R, EPS: tl.constexpr, ACC: tl.constexpr,
     g0, g1, g2, g3 = _load4(g, offs * 4, rm, ACC)
     norm = tl.sqrt(w * w + x * x + y * y + z * z)
     small = norm <= EPS
-    n = tl.where(norm > EPS, norm, EPS)
+    n = tl.where(small, EPS, norm)
     w, x, y, z = w / n, x / n, y / n, z / n
     d = w * g0 + x * g1 + y * g2 + z * g3
     _store4(out, offs * 4, rm, tl.where(small, 0.0, (g0 - w * d) / n),
