@@ -467,8 +467,10 @@ def test_layer_with_edge_features_on_the_triton_path():
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a
-    Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage, int32
-    indices, every feature on (the other flag combinations compile too)."""
+    Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage of the
+    features (quaternions, keys, β and weights float32), int32 indices, every
+    feature on (the other flag combinations compile too), the gradient sums of
+    shared inputs, the unit-quaternion kernels."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -478,23 +480,28 @@ def test_kernels_compile_for_a_gpu():
         pytest.skip("TRITON_INTERPRET=1 was set when the kernels were imported")
     f, i, a = "*bf16", "*i32", "*fp32"
     dims = dict(H="i32", M="i32", D="i32")
+    strides = dict(gz_sn="i32", gz_sh="i32")
     blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4)
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
-        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, scale=f, bias=f, rowptr=i,
-                              col=i, y_out=f, z_out=f, alpha_out=f, dot_out=f, **dims),
+        (k.forward_rows, dict(src=f, qd=a, ks=a, kd=a, beta=a, scale=a, bias=a, rowptr=i,
+                              col=i, y_out=f, z_out=f, alpha_out=a, dot_out=a, **dims),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, HAS_BIAS=True,
               **blocks)),
-        (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, scale=f,
-                               rowptr=i, col=i, alpha=f, y=f, ga_buf=a, gd=a, glogit=f,
-                               gbeta_part=a, gqd=f, gkd=f, **dims),
+        (k.backward_rows, dict(gz=f, galpha=a, src=f, qd=a, ks=a, kd=a, beta=a, scale=a,
+                               rowptr=i, col=i, alpha=a, y=f, ga_buf=a, gd=a, glogit=a,
+                               gbeta_part=a, gqd=a, gkd=a, **dims, **strides),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, HAS_SCALE=True,
               NEED_Q=True, NEED_K=True, NEED_BIAS=True, **blocks)),
-        (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, scale=f, gd=a,
-                               rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
+        (k.backward_cols, dict(gz=f, v=f, qs=a, qd=a, kd=a, alpha=a, scale=a, gd=a,
+                               rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=a, gks=a, gqd=a,
+                               gkd=a, **dims, **strides),
          dict(ROTATE=True, HAS_SCALE=True, NEED_U=True, NEED_V=True, NEED_Q=True,
-              NEED_K=True, **blocks)),
+              NEED_K=True, SUM_QD=True, SUM_KD=True, KEYS_INTO_Q=True, **blocks)),
+        (k.unit_rows, dict(q=a, out=a, R="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=256)),
+        (k.unit_rows_backward, dict(q=a, g=a, out=a, R="i32"),
+         dict(EPS=1e-8, ACC=tl.float32, BR=256)),
     ]
     for fn, sig, consts in specs:
         sig = {**sig, **{name: "constexpr" for name in consts}}
