@@ -38,8 +38,11 @@ fused Triton kernels of :mod:`qsv_pyg.nn.triton_kernel` when Triton imports
 ``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below (gathers and
 ``index_add``), which stays the reference. All are checked against autograd of the
 literal per-edge formula (``tests/test_qsv_kernel.py``,
-``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` computes
-in float32 whatever the features' dtype (quaternions are never rounded to bf16).
+``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` accumulates
+in float32 whatever the features' dtype (quaternions are never rounded to bf16); on
+the Triton path half-precision features are read and stored as they are (no float32
+copy; z in their dtype, also under autocast), the C++ and PyTorch paths compute from
+a float32 copy (see the comment in :func:`qsv_attend`).
 
 :func:`routing_logits` is the routing logit in Python, shared by the PyTorch
 implementation and :class:`~qsv_pyg.nn.QSVConv`'s message-passing path;
