@@ -60,7 +60,8 @@ PRECISIONS = ("fp32", "bf16")
 #: The nodes of the warm-up graphs (a multiple of 16, as the benchmarks' sizes:
 #: Triton specialises integer arguments on divisibility by 16).
 WARMUP_NODES = 64
-KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols")
+KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols", "unit_rows",
+           "unit_rows_backward")
 
 Variant = Tuple[str, Tuple[Tuple[str, str], ...], Tuple[Tuple[str, object], ...]]
 
@@ -206,14 +207,15 @@ def _patched_env(name, value):
 
 
 def record_variants(which: Optional[List[str]] = None,
-                    precisions: Tuple[str, ...] = ("fp32", )) -> Dict[Variant, List[str]]:
+                    precisions: Tuple[str, ...] = PRECISIONS) -> Dict[Variant, List[str]]:
     """``variant -> [configurations that launch it]`` of every configuration
     (or of those whose name starts with one of ``which``), found on the CPU.
 
-    Only the ``precisions`` given are run: under bf16 autocast the operator is
-    a float32 op (its autocast registration, on CPU and CUDA alike), so the
-    bf16 configurations launch the float32 variants (``precisions=PRECISIONS``
-    shows it)."""
+    Only the ``precisions`` given are run (both by default): under bf16
+    autocast, features that reach the operator in bf16 (the CIFAR models' conv
+    output) stay bf16 on the Triton path (half storage, float32 accumulation;
+    issue 32 item 7), so those configurations launch bf16 variants of their own
+    (12 of the 35); the bench_conv layers' features are the float32 input."""
     out: Dict[Variant, List[str]] = {}
     device = torch.device("cpu")
     for name, run in configs(device):

@@ -98,10 +98,22 @@ class _UnitQuaternion(torch.autograd.Function):
     uses the saved output ``unit`` (which autograd tracks back to ``q``) and,
     when a graph of the backward is being built (``create_graph=True``), a
     norm recomputed from ``q`` rather than the constant saved one. A plain
-    first-order backward uses the saved norm."""
+    first-order backward uses the saved norm.
+
+    On the Triton path (CUDA, float32 / float64; see
+    :func:`qsv_pyg.nn.triton_kernel.unit_quaternion`) the forward and the
+    first-order backward are one kernel launch each instead of nine and eight
+    PyTorch ops; a double backward uses the PyTorch formula below."""
 
     @staticmethod
     def forward(ctx, q: Tensor, eps: float) -> Tensor:
+        ctx.eps = eps
+        from .nn import triton_kernel  # one launch each way on the Triton path
+        ctx.fused = triton_kernel.unit_available(q)
+        if ctx.fused:
+            unit = triton_kernel.unit_quaternion(q, eps)
+            ctx.save_for_backward(q, unit)
+            return unit
         norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
         # `~(norm <= eps)` rather than `norm > eps`: a NaN norm must take the
         # division branch so that the NaN propagates instead of being masked.
@@ -111,12 +123,19 @@ class _UnitQuaternion(torch.autograd.Function):
         identity = torch.cat([q.new_ones(1), q.new_zeros(3)])
         unit = torch.where(ok, q / norm.clamp_min(eps), identity)
         ctx.save_for_backward(q, unit, norm, ok)
-        ctx.eps = eps
         return unit
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, unit, norm, ok = ctx.saved_tensors
+        if ctx.fused:
+            q, unit = ctx.saved_tensors
+            if not torch.is_grad_enabled():
+                from .nn import triton_kernel
+                return triton_kernel.unit_quaternion_backward(q, grad, ctx.eps), None
+            norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+            ok = ~(norm <= ctx.eps)
+        else:
+            q, unit, norm, ok = ctx.saved_tensors
         if torch.is_grad_enabled():
             # Double backward: |q| must be a function of q, not a constant
             # (treating it as one made second derivatives wrong).

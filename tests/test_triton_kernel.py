@@ -467,8 +467,10 @@ def test_layer_with_edge_features_on_the_triton_path():
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a
-    Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage, int32
-    indices, every feature on (the other flag combinations compile too)."""
+    Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage of the
+    features (quaternions, keys, β and weights float32), int32 indices, every
+    feature on (the other flag combinations compile too), the gradient sums of
+    shared inputs, the unit-quaternion kernels."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -478,23 +480,28 @@ def test_kernels_compile_for_a_gpu():
         pytest.skip("TRITON_INTERPRET=1 was set when the kernels were imported")
     f, i, a = "*bf16", "*i32", "*fp32"
     dims = dict(H="i32", M="i32", D="i32")
+    strides = dict(gz_sn="i32", gz_sh="i32")
     blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4)
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
-        (k.forward_rows, dict(src=f, qd=f, ks=f, kd=f, beta=f, scale=f, bias=f, rowptr=i,
-                              col=i, y_out=f, z_out=f, alpha_out=f, dot_out=f, **dims),
+        (k.forward_rows, dict(src=f, qd=a, ks=a, kd=a, beta=a, scale=a, bias=a, rowptr=i,
+                              col=i, y_out=f, z_out=f, alpha_out=a, dot_out=a, **dims),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, HAS_BIAS=True,
               **blocks)),
-        (k.backward_rows, dict(gz=f, galpha=f, src=f, qd=f, ks=f, kd=f, beta=f, scale=f,
-                               rowptr=i, col=i, alpha=f, y=f, ga_buf=a, gd=a, glogit=f,
-                               gbeta_part=a, gqd=f, gkd=f, **dims),
+        (k.backward_rows, dict(gz=f, galpha=a, src=f, qd=a, ks=a, kd=a, beta=a, scale=a,
+                               rowptr=i, col=i, alpha=a, y=f, ga_buf=a, gd=a, glogit=a,
+                               gbeta_part=a, gqd=a, gkd=a, **dims, **strides),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, HAS_SCALE=True,
               NEED_Q=True, NEED_K=True, NEED_BIAS=True, **blocks)),
-        (k.backward_cols, dict(gz=f, v=f, qs=f, qd=f, kd=f, alpha=f, scale=f, gd=a,
-                               rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=f, gks=f, **dims),
+        (k.backward_cols, dict(gz=f, v=f, qs=a, qd=a, kd=a, alpha=a, scale=a, gd=a,
+                               rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=a, gks=a, gqd=a,
+                               gkd=a, **dims, **strides),
          dict(ROTATE=True, HAS_SCALE=True, NEED_U=True, NEED_V=True, NEED_Q=True,
-              NEED_K=True, **blocks)),
+              NEED_K=True, SUM_QD=True, SUM_KD=True, KEYS_INTO_Q=True, **blocks)),
+        (k.unit_rows, dict(q=a, out=a, R="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=256)),
+        (k.unit_rows_backward, dict(q=a, g=a, out=a, R="i32"),
+         dict(EPS=1e-8, ACC=tl.float32, BR=256)),
     ]
     for fn, sig, consts in specs:
         sig = {**sig, **{name: "constexpr" for name in consts}}
@@ -536,3 +543,165 @@ def test_malformed_graph_is_refused():
         tk.forward(v, qs, qd, ks, kd, beta, v.new_empty(0), v.new_empty(0), g.rowptr, bad_col,
                    False, True)
 
+
+
+# ------------------------------------- issue 32: half storage, fewer launches
+def _literal_shared(q, v, beta, edge_index, n, use_abs, rotate_, keys):
+    """The literal formula with one quaternion tensor ``q`` as the transport of
+    both sides and (``keys``) the routing keys of both sides."""
+    k = q if keys else q.new_empty(n, q.size(1), 0)
+    return literal(v, q if rotate_ else None, q if rotate_ else None, k, k, beta,
+                   edge_index, n, use_abs)
+
+
+@pytest.mark.parametrize("case", ["all", "keys-only", "quats-only"])
+def test_one_tensor_as_several_inputs_sums_its_gradient_in_the_kernel(case, monkeypatch):
+    """The layer passes its unit quaternions as qs, qd, ks and kd (homogeneous
+    graph, learned routing): backward_cols sums their four gradients (SUM_QD,
+    SUM_KD, KEYS_INTO_Q) instead of three autograd adds. The gradient of the one
+    tensor matches autograd of the literal formula, and the kernel got the bits."""
+    rotate_, keys = {"all": (True, True), "keys-only": (False, True),
+                     "quats-only": (True, False)}[case]
+    n, H, M = 7, 2, 2
+    ei = random_graph(n, n, 24, seed=50, isolated=())
+    g = gen(51)
+    v = torch.randn(n, H, M, 4, generator=g, dtype=torch.float64)
+    q = random_unit_quaternion(n, H, generator=g, dtype=torch.float64)
+    beta = 0.5 + torch.rand(H, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, v, beta)]
+    z_ref, a_ref = _literal_shared(ref[0], ref[1], ref[2], ei, n, False, rotate_, keys)
+    gz = torch.randn(z_ref.shape, generator=g, dtype=torch.float64)
+    ga = torch.randn(a_ref.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad((z_ref * gz).sum() + (a_ref * ga).sum(), ref)
+    seen = []
+    backward = tk.backward
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1])
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "backward", spy)
+    graph = on_device(build_csr(ei, n, n))
+    dev = [t.float().to(DEVICE).requires_grad_() for t in (q, v, beta)]
+    qq = dev[0]
+    k = qq if keys else qq.new_empty(n, H, 0)
+    z, alpha = qsv_attend(dev[1], qq if rotate_ else None, qq if rotate_ else None, k, k,
+                          dev[2], graph)
+    alpha_edges = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+    loss = (z.double() * gz.to(DEVICE)).sum() + (alpha_edges.double() * ga.to(DEVICE)).sum()
+    got = torch.autograd.grad(loss, dev)
+    bits = {"all": tk.SHARED_Q | tk.SHARED_K | tk.KEYS_ARE_Q, "keys-only": tk.SHARED_K,
+            "quats-only": tk.SHARED_Q}[case]
+    assert seen == [bits]
+    for name, a, b in zip(["q", "v", "beta"], got, want):
+        torch.testing.assert_close(a.double().cpu(), b, **TOL32, msg=lambda m: f"{name}: {m}")
+
+
+def test_strided_gz_is_read_as_it_is(monkeypatch):
+    """A gradient of z that is the transpose of a contiguous [H, N, M, 4] (as the
+    layer's per-head projection gives it) reaches the kernels uncopied, and the
+    gradients match those from a contiguous copy of it."""
+    n_src, n_dst, H, M = 6, 5, 3, 2
+    ei = random_graph(n_src, n_dst, 16, seed=52)
+    graph = on_device(build_csr(ei, n_src, n_dst))
+    ins = [t.float().to(DEVICE).requires_grad_()
+           for t in make_inputs(n_src, n_dst, H, M, 4, True, seed=53)]
+    w = torch.randn(H, n_dst, M, 4, generator=gen(54)).to(DEVICE)
+    seen = []
+    backward = tk.backward
+
+    def spy(gz, *args, **kwargs):
+        seen.append(gz.is_contiguous())
+        return backward(gz, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "backward", spy)
+    z, _ = qsv_attend(*ins, graph)
+    strided = torch.autograd.grad((z.transpose(0, 1) * w).sum(), ins)
+    z, _ = qsv_attend(*ins, graph)
+    plain = torch.autograd.grad((z * w.transpose(0, 1).contiguous()).sum(), ins)
+    assert seen == [False, True]
+    for a, b in zip(strided, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_half_features_reach_the_kernel_uncopied(dtype, autocast, monkeypatch):
+    """Issue 32 item 7: half-precision features are the kernels' storage: ``v``
+    reaches the forward launch in its dtype (no float32 copy), the quaternions,
+    keys and β in float32; z comes back in the features' dtype (also under
+    autocast), the weights in float32 under autocast; values and the gradients
+    within half tolerance of the float64 literal formula from the same rounded
+    features."""
+    n_src, n_dst, H, M = 8, 6, 2, 2
+    ei = random_graph(n_src, n_dst, 20, seed=55)
+    v, qs, qd, ks, kd, beta = make_inputs(n_src, n_dst, H, M, 4, True, seed=56)
+    v = v.to(dtype)
+    ref = [t.double().requires_grad_() for t in (v, qs, qd, ks, kd, beta)]
+    z_ref, a_ref = literal(*ref, ei, n_dst, False)
+    gz = torch.randn(z_ref.shape, generator=gen(57), dtype=torch.float64)
+    want = [z_ref, a_ref, *torch.autograd.grad((z_ref * gz).sum(), ref)]
+    launched = []
+    forward = tk.forward
+
+    def spy(*args, **kwargs):
+        launched.append([t.dtype for t in args[:6]])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "forward", spy)
+    graph = on_device(build_csr(ei, n_src, n_dst))
+    dev = [v.to(DEVICE).requires_grad_()] + [t.float().to(DEVICE).requires_grad_()
+                                             for t in (qs, qd, ks, kd, beta)]
+    with torch.autocast(DEVICE.type, dtype=dtype, enabled=autocast):
+        z, alpha = qsv_attend(*dev, graph)
+    assert launched == [[dtype] + [torch.float32] * 5]
+    assert z.dtype == dtype and alpha.dtype == (torch.float32 if autocast else dtype)
+    alpha_edges = torch.empty_like(alpha).index_copy_(0, graph.perm, alpha)
+    grads = torch.autograd.grad((z.double() * gz.to(DEVICE)).sum(), dev)
+    assert grads[0].dtype == dtype and all(g.dtype == torch.float32 for g in grads[1:])
+    got = [z, alpha_edges, *grads]
+    for name, a, b in zip(["z", "alpha", "v", "qs", "qd", "ks", "kd", "beta"], got, want):
+        torch.testing.assert_close(a.double().cpu(), b, **TOL_HALF[dtype],
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_unit_quaternion_kernels_match_the_pytorch_formula(monkeypatch):
+    """unit_quaternion on the Triton path (one launch each way): values and
+    gradients as the PyTorch ops, zero and tiny quaternions the identity with a
+    zero gradient, a NaN propagated; a double backward still exact (PyTorch
+    formula)."""
+    from qsv_pyg import quaternion as Q
+    g = gen(58)
+    q = torch.randn(40, 3, 4, generator=g, dtype=torch.float64)
+    q[0, 0] = 0
+    q[1, 1] = 1e-12
+    q[2, 2, 1] = float("nan")
+    grad = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    calls = []
+    unit = tk.unit_quaternion
+
+    def spy(*args):
+        calls.append(1)
+        return unit(*args)
+
+    monkeypatch.setattr(tk, "unit_quaternion", spy)
+    for dtype in (torch.float32, torch.float64):
+        x = q.to(dtype).to(DEVICE).requires_grad_()
+        u = Q.unit_quaternion(x)
+        (gx, ) = torch.autograd.grad(u, x, grad.to(dtype).to(DEVICE))
+        with monkeypatch.context() as m:
+            m.setenv("QSV_PYG_TRITON", "0")
+            x0 = q.to(dtype).to(DEVICE).requires_grad_()
+            u0 = Q.unit_quaternion(x0)
+            (g0, ) = torch.autograd.grad(u0, x0, grad.to(dtype).to(DEVICE))
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12,
+                                                                           atol=1e-12)
+        torch.testing.assert_close(u, u0, equal_nan=True, **tol)
+        torch.testing.assert_close(gx, g0, equal_nan=True, **tol)
+        assert torch.equal(u[0, 0].cpu(), torch.tensor([1.0, 0, 0, 0], dtype=dtype))
+        assert torch.equal(gx[0, 0].cpu(), torch.zeros(4, dtype=dtype))
+        assert torch.isnan(u[2, 2]).all()
+    assert len(calls) == 2
+    x = q[3:].to(DEVICE).requires_grad_()  # double backward: the PyTorch formula
+    assert torch.autograd.gradcheck(lambda t: Q.unit_quaternion(t), (x[:3], ))
+    assert torch.autograd.gradgradcheck(lambda t: Q.unit_quaternion(t), (x[:3], ))

@@ -229,7 +229,8 @@ def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, 
 
 @triton.jit
 def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, ga_buf,
-                  gd, glogit, gbeta_part, gqd, gkd, H, M, D, USE_ABS: tl.constexpr,
+                  gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
+                  USE_ABS: tl.constexpr,
                   ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr,
                   HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr,
                   NEED_BIAS: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
@@ -251,7 +252,11 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
     end = tl.load(rowptr + i + 1).to(tl.int64)
     off_i = i * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
     mask_i = hm[:, None] & mm[None, :]
-    g0, g1, g2, g3 = _load4(gz, off_i, mask_i, ACC)
+    # gz may be strided over nodes and heads (the transposed gradient of the
+    # layer's per-head projection): blocks of four contiguous within a row
+    off_g = i * gz_sn + offs_h[:, None].to(tl.int64) * gz_sh + offs_m[None, :] * 4
+    g0, g1, g2, g3 = _load4(gz, off_g, mask_i, ACC)
+    c0, c1, c2, c3 = g0, g1, g2, g3  # gz itself (d qd_i reads it)
     if ROTATE:
         qw, qx, qy, qz = _load4(qd, i * H * 4 + offs_h * 4, hm, ACC)
         g0, g1, g2, g3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], g0, g1,
@@ -314,21 +319,28 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
                  gk.to(gkd.dtype.element_ty), mask=hd)
     if NEED_Q:  # z = Q_i^T y  =>  dL/dQ_i = sum_m y_m gz_m^T
         y0, y1, y2, y3 = _load4(y, off_i, mask_i, ACC)
-        c0, c1, c2, c3 = _load4(gz, off_i, mask_i, ACC)
         dw, dx, dy, dz = _quat_grad(qw, qx, qy, qz, y0, y1, y2, y3, c0, c1, c2, c3)
         _store4(gqd, i * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
 
 
 @triton.jit
 def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gqs, gks,
-                  H, M, D, ROTATE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr,
-                  NEED_V: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr,
-                  ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-                  BD: tl.constexpr):
+                  gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
+                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, SUM_QD: tl.constexpr,
+                  SUM_KD: tl.constexpr, KEYS_INTO_Q: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """Pass B, one source ``j`` and ``BH`` heads over its outgoing edges (the
     transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij (s_ij) Q_i gz_i``
     (``gy`` recomputed, not stored; alpha and s read through ``perm_t``),
-    ``gv = Q_j^T gu``, d qs_j, d ks_j."""
+    ``gv = Q_j^T gu``, d qs_j, d ks_j.
+
+    When one tensor is several inputs (homogeneous graphs: ``qs`` is ``qd``,
+    ``ks`` is ``kd``, the keys are the quaternions) the gradients are summed
+    here rather than by autograd (an add launch each): ``SUM_QD`` adds pass A's
+    d qd_j to d qs_j, ``SUM_KD`` pass A's d kd_j to d ks_j, ``KEYS_INTO_Q`` the
+    (summed) key gradient to d qs_j (``D = 4``); what is stored in ``gks`` is
+    then the keys' part alone or with ``SUM_KD`` the two keys' sum."""
     j = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
@@ -354,7 +366,7 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
             a = tl.load(alpha + off_eh, mask=eh, other=0).to(ACC)
             if HAS_SCALE:
                 a = a * tl.load(scale + off_eh, mask=eh, other=0).to(ACC)
-            off = i[:, None, None] * (H * M * 4) + offs_h[None, :, None] * (M * 4) + \
+            off = i[:, None, None] * gz_sn + offs_h[None, :, None].to(tl.int64) * gz_sh + \
                 offs_m[None, None, :] * 4
             g0, g1, g2, g3 = _load4(gz, off, eh[:, :, None] & mm[None, None, :], ACC)
             if ROTATE:
@@ -375,6 +387,12 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
             gk += tl.reduce(g[:, :, None].to(ACC) * ki, 0, _ADD)
     off_j = j * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
     mask_j = hm[:, None] & mm[None, :]
+    if NEED_K:
+        if SUM_KD:  # ks is kd: pass A's d kd_j joins
+            gk += tl.load(gkd + j * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hd,
+                          other=0).to(ACC)
+        tl.store(gks + j * H * D + offs_h[:, None] * D + offs_d[None, :],
+                 gk.to(gks.dtype.element_ty), mask=hd)
     if NEED_U:
         if ROTATE:
             qw, qx, qy, qz = _load4(qs, j * H * 4 + offs_h * 4, hm, ACC)
@@ -388,7 +406,47 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
         if NEED_Q:  # u = Q_j v  =>  dL/dQ_j = sum_m gu_m v_m^T
             v0, v1, v2, v3 = _load4(v, off_j, mask_j, ACC)
             dw, dx, dy, dz = _quat_grad(qw, qx, qy, qz, u0, u1, u2, u3, v0, v1, v2, v3)
+            if SUM_QD:  # qs is qd: pass A's d qd_j joins
+                e0, e1, e2, e3 = _load4(gqd, j * H * 4 + offs_h * 4, hm, ACC)
+                dw, dx, dy, dz = dw + e0, dx + e1, dy + e2, dz + e3
+            if KEYS_INTO_Q:  # the keys are the quaternions (D = 4)
+                col_d = offs_d[None, :]
+                dw += tl.reduce(tl.where(col_d == 0, gk, 0.0), 1, _ADD)
+                dx += tl.reduce(tl.where(col_d == 1, gk, 0.0), 1, _ADD)
+                dy += tl.reduce(tl.where(col_d == 2, gk, 0.0), 1, _ADD)
+                dz += tl.reduce(tl.where(col_d == 3, gk, 0.0), 1, _ADD)
             _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
-    if NEED_K:
-        tl.store(gks + j * H * D + offs_h[:, None] * D + offs_d[None, :],
-                 gk.to(gks.dtype.element_ty), mask=hd)
+
+
+@triton.jit
+def unit_rows(q, out, R, EPS: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr):
+    """``out[r] = q[r] / |q[r]|`` for ``BR`` of the ``R`` quaternions, the identity
+    where ``|q| <= EPS`` (as :func:`qsv_pyg.quaternion.unit_quaternion`: a NaN
+    norm is not small, so the NaN propagates)."""
+    offs = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = offs < R
+    w, x, y, z = _load4(q, offs * 4, rm, ACC)
+    norm = tl.sqrt(w * w + x * x + y * y + z * z)
+    small = norm <= EPS
+    n = tl.where(small, EPS, norm)  # clamp_min: a NaN norm stays NaN
+    _store4(out, offs * 4, rm, tl.where(small, 1.0, w / n), tl.where(small, 0.0, x / n),
+            tl.where(small, 0.0, y / n), tl.where(small, 0.0, z / n))
+
+
+@triton.jit
+def unit_rows_backward(q, g, out, R, EPS: tl.constexpr, ACC: tl.constexpr,
+                       BR: tl.constexpr):
+    """The gradient of :func:`unit_rows`, ``(g - u <u, g>) / |q|`` (0 where the
+    identity was taken), with the norm recomputed from ``q``."""
+    offs = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = offs < R
+    w, x, y, z = _load4(q, offs * 4, rm, ACC)
+    g0, g1, g2, g3 = _load4(g, offs * 4, rm, ACC)
+    norm = tl.sqrt(w * w + x * x + y * y + z * z)
+    small = norm <= EPS
+    n = tl.where(small, EPS, norm)
+    w, x, y, z = w / n, x / n, y / n, z / n
+    d = w * g0 + x * g1 + y * g2 + z * g3
+    _store4(out, offs * 4, rm, tl.where(small, 0.0, (g0 - w * d) / n),
+            tl.where(small, 0.0, (g1 - x * d) / n), tl.where(small, 0.0, (g2 - y * d) / n),
+            tl.where(small, 0.0, (g3 - z * d) / n))

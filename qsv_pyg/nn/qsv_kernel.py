@@ -38,8 +38,11 @@ fused Triton kernels of :mod:`qsv_pyg.nn.triton_kernel` when Triton imports
 ``QSV_PYG_CPU_KERNEL=0``) the PyTorch implementation below (gathers and
 ``index_add``), which stays the reference. All are checked against autograd of the
 literal per-edge formula (``tests/test_qsv_kernel.py``,
-``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` computes
-in float32 whatever the features' dtype (quaternions are never rounded to bf16).
+``tests/test_triton_kernel.py``, ``opcheck`` included). :func:`qsv_attend` accumulates
+in float32 whatever the features' dtype (quaternions are never rounded to bf16); on
+the Triton path half-precision features are read and stored as they are (no float32
+copy; z in their dtype, also under autocast), the C++ and PyTorch paths compute from
+a float32 copy (see the comment in :func:`qsv_attend`).
 
 :func:`routing_logits` is the routing logit in Python, shared by the PyTorch
 implementation and :class:`~qsv_pyg.nn.QSVConv`'s message-passing path;
@@ -47,6 +50,7 @@ implementation and :class:`~qsv_pyg.nn.QSVConv`'s message-passing path;
 """
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 from typing import Optional, Tuple
 
@@ -58,6 +62,7 @@ from . import triton_kernel
 from ._cpu_ext import cpu_kernel
 from .csr import GraphCSR
 
+_NO_CONTEXT = contextlib.nullcontext()
 Tensors5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -193,13 +198,22 @@ def attend(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Tens
     or empty for none (``dot`` is the key product alone either way)."""
     _check_edge_input(scale, "scale", col.size(0), v.size(1))
     _check_edge_input(bias, "bias", col.size(0), v.size(1))
-    _, impl = _implementation(v)
+    name, impl = _implementation(v)
+    if name == "triton":  # half features read as they are (float32 accumulation)
+        return impl.forward(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, use_abs,
+                            rotate)
+    # The C++ kernel and the PyTorch implementation compute in float32 (float64):
+    # half features are widened here and the results stored as the Triton
+    # kernels store them (z, u, y in the features' dtype; alpha, dot widened).
+    acc = torch.promote_types(v.dtype, torch.float32)
+    vw = v.to(acc)
     if impl is None:
-        return _forward_torch(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row,
-                              use_abs, rotate)
-    z, alpha, u, y, dot = impl.forward(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col,
-                                       use_abs, rotate)
-    return z, alpha, u, y, dot
+        z, alpha, u, y, dot = _forward_torch(vw, qs, qd, ks, kd, beta, scale, bias, rowptr,
+                                             col, row, use_abs, rotate)
+    else:
+        z, alpha, u, y, dot = impl.forward(vw, qs, qd, ks, kd, beta, scale, bias, rowptr,
+                                           col, use_abs, rotate)
+    return (z.to(v.dtype), alpha.to(acc), u.to(v.dtype), y.to(v.dtype), dot.to(acc))
 
 
 def _check_edge_input(t: Tensor, name: str, E, H) -> None:
@@ -226,7 +240,9 @@ def _(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t, perm_t, 
     z = v.new_empty(num_dst, *v.shape[1:])
     kept = (v.new_empty(v.shape), v.new_empty(z.shape)) if rotate else \
         (v.new_empty(0), v.new_empty(0))
-    return z, v.new_empty(E, v.size(1)), kept[0], kept[1], v.new_empty(E, v.size(1))
+    acc = torch.promote_types(v.dtype, torch.float32)
+    return (z, v.new_empty(E, v.size(1), dtype=acc), kept[0], kept[1],
+            v.new_empty(E, v.size(1), dtype=acc))
 
 
 @torch.library.custom_op("qsv_pyg::attend_backward", mutates_args=())
@@ -235,30 +251,49 @@ def attend_backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor,
                     rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
                     perm_t: Tensor, row_t: Tensor, alpha: Tensor, dot: Tensor, u: Tensor,
                     y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
-                    need_k: bool, need_bias: bool) -> Tensors7:
+                    need_k: bool, need_bias: bool, shared: int = 0) -> Tensors7:
     """Gradients ``(v, qs, qd, ks, kd, beta, bias)``; empty where not needed.
     The additive term itself is not an input: its gradient is ``dL/dlogit``,
-    which needs only the saved weights."""
+    which needs only the saved weights.
+
+    ``shared`` says which inputs are one tensor (bits of
+    :data:`~qsv_pyg.nn.triton_kernel.SHARED_Q`: ``qs`` is ``qd``, ``SHARED_K``:
+    ``ks`` is ``kd``, ``KEYS_ARE_Q``: with both, the keys are the quaternions):
+    that tensor's whole gradient is then returned in its first slot (``gqs``;
+    ``gks`` for shared keys), summed in the kernel rather than by autograd; the
+    other slots hold their own parts (ignored). ``gz`` may be strided over
+    nodes and heads (read as it is on the Triton path)."""
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
     name, impl = _implementation(v)
     if name == "triton":
         return triton_kernel.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr,
                                       col, rowptr_t, perm_t, row_t, alpha, u, y, use_abs,
-                                      rotate, need_v, need_q, need_k, need_bias)
+                                      rotate, need_v, need_q, need_k, need_bias, shared)
+    # float32 (float64) here: half features (and their saved u, y) are widened
+    acc = torch.promote_types(v.dtype, torch.float32)
+    gz, vw, u, y = gz.contiguous().to(acc), v.to(acc), u.to(acc), y.to(acc)
     if impl is not None:  # the C++ kernel also takes the saved dot products
-        out = impl.backward(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col,
-                            rowptr_t, perm_t, row_t, alpha, dot, u, y, use_abs, rotate,
-                            need_v, need_q, need_k, need_bias)
-        return tuple(out)  # type: ignore[return-value]
-    gv, gqs, gqd, gks, gkd, gbeta, gbias = _backward_torch(
-        gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
-        rotate, need_v, need_q, need_k, need_bias)
-    return gv, gqs, gqd, gks, gkd, gbeta, gbias
+        gv, gqs, gqd, gks, gkd, gbeta, gbias = impl.backward(
+            gz, galpha, vw, qs, qd, ks, kd, beta, scale, rowptr, col, rowptr_t, perm_t, row_t,
+            alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k, need_bias)
+    else:
+        gv, gqs, gqd, gks, gkd, gbeta, gbias = _backward_torch(
+            gz, galpha, vw, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y,
+            use_abs, rotate, need_v, need_q, need_k, need_bias)
+    if shared & triton_kernel.SHARED_K and need_k and gks.shape == gkd.shape:
+        gks = gks + gkd
+    if shared & triton_kernel.SHARED_Q and need_q and gqs.shape == gqd.shape:
+        gqs = gqs + gqd
+        if shared & triton_kernel.KEYS_ARE_Q and shared & triton_kernel.SHARED_K and \
+                need_k and gks.shape == gqs.shape:
+            gqs = gqs + gks
+    return gv.to(v.dtype), gqs, gqd, gks, gkd, gbeta, gbias
 
 
 @attend_backward.register_fake
 def _(gz, galpha, v, qs, qd, ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t,
-      row_t, alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k, need_bias):
+      row_t, alpha, dot, u, y, use_abs, rotate, need_v, need_q, need_k, need_bias,
+      shared=0):
     need_q, need_k = need_q and rotate, need_k and ks.size(-1) > 0
 
     def like(t: Tensor, need: bool) -> Tensor:
@@ -278,8 +313,24 @@ def _setup_context(ctx, inputs, output):
     # literal drop-in two 15 MB fills, about a fifth of a training step).
     ctx.set_materialize_grads(False)
     ctx.flags = (use_abs, rotate)
+    ctx.shared = _shared(qs, qd, ks, kd, rotate)
     ctx.save_for_backward(v, qs, qd, ks, kd, beta, scale, bias, rowptr, col, row, rowptr_t,
                           perm_t, row_t, alpha, dot, u, y)
+
+
+def _shared(qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, rotate: bool) -> int:
+    """Which inputs are one tensor (the same object: the layer passes its unit
+    quaternions as both sides' transport and keys on a homogeneous graph), as
+    ``attend_backward``'s ``shared`` bits. By identity only: two tensors that
+    merely share storage may be different leaves, with gradients of their own."""
+    shared = 0
+    if rotate and qs is qd:
+        shared |= triton_kernel.SHARED_Q
+    if ks.size(-1) > 0 and ks is kd:
+        shared |= triton_kernel.SHARED_K
+    if shared == triton_kernel.SHARED_Q | triton_kernel.SHARED_K and ks is qs:
+        shared |= triton_kernel.KEYS_ARE_Q
+    return shared
 
 
 def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
@@ -305,10 +356,20 @@ def _backward(ctx, gz, galpha, _gu, _gy, _gdot):
             gz, galpha, v, qs, qd, ks, kd, beta, scale, col, row, alpha, dot, u, y, use_abs,
             rotate, nv, (nqs or nqd) and rotate, (nks or nkd) and ks.size(-1) > 0, nbias)
     else:
+        # gz as it comes (the layer's is transposed: the Triton kernels read it
+        # strided; the other implementations copy it)
+        shared = ctx.shared
         gv, gqs, gqd, gks, gkd, gbeta, gbias = attend_backward(
-            gz.contiguous(), None if galpha is None else galpha.contiguous(), v, qs, qd,
+            gz, None if galpha is None else galpha.contiguous(), v, qs, qd,
             ks, kd, beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha, dot, u,
-            y, use_abs, rotate, nv, nqs or nqd, nks or nkd, nbias)
+            y, use_abs, rotate, nv, nqs or nqd, nks or nkd, nbias, shared)
+        # one tensor's whole gradient sits in its first slot
+        if shared & triton_kernel.SHARED_Q:
+            nqd = False
+        if shared & triton_kernel.SHARED_K:
+            nkd = False
+        if shared & triton_kernel.KEYS_ARE_Q:
+            nks = False
     return (gv if nv else None, gqs if nqs and gqs.numel() else None,
             gqd if nqd and gqd.numel() else None, gks if nks and gks.numel() else None,
             gkd if nkd and gkd.numel() else None, gbeta if nbeta else None,
@@ -377,21 +438,36 @@ def qsv_attend(v: Tensor, q_src: Optional[Tensor], q_dst: Optional[Tensor], k_sr
         raise ValueError(f"qsv_attend: edge_logit {tuple(edge_logit.shape)} must be "
                          f"[E, H] = [{num_edges}, {heads}] (one per edge and head, in the "
                          f"graph's target-sorted edge order)")
-    # The operator computes in float32 (float64 for float64 features): half-precision
-    # features are widened, and the quaternions, keys and β are never rounded to the
-    # features' dtype (a bf16 quaternion is off the unit sphere by up to ~6e-3).
-    # Under autocast the operator is a float32 op (its autocast registration), so its
-    # outputs stay float32 there, as for any such op.
+    # Precision. The quaternions, keys, β and the edge terms reach the operator in
+    # float32 (float64 for float64 features), never rounded to the features' dtype
+    # (a bf16 quaternion is off the unit sphere by up to ~6e-3). Everything
+    # accumulates in float32 (float64). The features themselves:
+    # * Triton path: half-precision features (bf16 / fp16, e.g. from a projection
+    #   under autocast) are read as they are, no float32 copy; u, y and z are
+    #   stored in that dtype, the weights in float32. z is returned in the
+    #   features' dtype also under autocast (what autocast's lower-precision ops
+    #   return; the next matmul would cast it there anyway).
+    # * C++ and PyTorch paths: computed in float32 from a widened copy; under
+    #   autocast z is returned in float32 (the operator is a float32 op there),
+    #   outside it in the features' dtype.
+    # The weights are returned in float32 under autocast, else in the features'
+    # dtype. The operator's own autocast registration (float32 for direct callers)
+    # is bypassed here: the dtypes are set explicitly.
     dt = torch.promote_types(v.dtype, torch.float32)
-    out_dt = dt if torch.is_autocast_enabled(v.device.type) else v.dtype
+    autocast = torch.is_autocast_enabled(v.device.type)
+    half_storage = v.dtype in (torch.float16, torch.bfloat16) and backend(v) == "triton"
+    vdt = v.dtype if half_storage else dt
+    z_dt = v.dtype if half_storage or not autocast else dt
+    alpha_dt = dt if autocast else v.dtype
     empty = v.new_empty(0, heads, 4, dtype=dt)
     scale = v.new_empty(0, heads, dtype=dt) if edge_scale is None else \
         edge_scale.to(dt).contiguous()
     bias = v.new_empty(0, heads, dtype=dt) if edge_logit is None else \
         edge_logit.to(dt).contiguous()
-    z, alpha, _, _, _ = attend(
-        v.to(dt).contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
-        empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
-        k_dst.to(dt).contiguous(), beta.to(dt), scale, bias, graph.rowptr, graph.col, graph.row,
-        graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
-    return z.to(out_dt), alpha.to(out_dt)
+    with torch.autocast(v.device.type, enabled=False) if autocast else _NO_CONTEXT:
+        z, alpha, _, _, _ = attend(
+            v.to(vdt).contiguous(), empty if q_src is None else q_src.to(dt).contiguous(),
+            empty if q_dst is None else q_dst.to(dt).contiguous(), k_src.to(dt).contiguous(),
+            k_dst.to(dt).contiguous(), beta.to(dt), scale, bias, graph.rowptr, graph.col,
+            graph.row, graph.rowptr_t, graph.perm_t, graph.row_t, use_abs, rotate)
+    return z.to(z_dt), alpha.to(alpha_dt)

@@ -253,7 +253,10 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     u = torch.empty_like(v) if rotate else v.new_empty(0)
     y = v.new_empty(Nd, s.H, s.M, 4) if rotate else v.new_empty(0)
     z = v.new_empty(Nd, s.H, s.M, 4)
-    alpha, dot = v.new_empty(E, s.H), v.new_empty(E, s.H)
+    # The weights and key products in float32 (float64) whatever the features'
+    # storage: the backward's softmax gradient reads them.
+    alpha = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
+    dot = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
     CALLS["forward"] += 1
     if rotate and Ns:
         rows, BR = Ns * s.H, max(1, 256 // s.BM)
@@ -269,32 +272,57 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     return z, alpha, u, y, dot
 
 
+def _rows_strides(gz: Tensor):
+    """``(gz, node stride, head stride)``: the kernels read ``gz`` ``[N, H, M, 4]``
+    with any node and head strides as long as each row's blocks of four are
+    contiguous (the layer's gradient arrives transposed, heads outermost: read
+    as it is, no copy); otherwise a contiguous copy."""
+    if gz.dim() != 4 or (gz.size(2) > 1 and gz.stride(2) != 4) or gz.stride(3) != 1:
+        gz = gz.contiguous()
+    return gz, gz.stride(0), gz.stride(1)
+
+
+#: ``shared`` bits of :func:`backward` (one tensor passed as several inputs).
+SHARED_Q, SHARED_K, KEYS_ARE_Q = 1, 2, 4
+
+
 @_on_device
 def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Tensor,
              ks: Tensor, kd: Tensor, beta: Tensor, scale: Tensor, rowptr: Tensor,
              col: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, alpha: Tensor,
              u: Tensor, y: Tensor, use_abs: bool, rotate: bool, need_v: bool, need_q: bool,
-             need_k: bool, need_bias: bool = False):
+             need_k: bool, need_bias: bool = False, shared: int = 0):
     """``(gv, gqs, gqd, gks, gkd, gbeta, gbias)`` as ``qsv_pyg::attend_backward``
-    (``need_q`` / ``need_k`` already cleared without rotation / keys)."""
-    gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y = (t.contiguous() for t in (
-        gz, v, qs, qd, ks, kd, beta, scale, alpha, u, y))
+    (``need_q`` / ``need_k`` already cleared without rotation / keys).
+
+    ``shared`` (bits :data:`SHARED_Q`: ``qs`` is ``qd``; :data:`SHARED_K`:
+    ``ks`` is ``kd``; :data:`KEYS_ARE_Q`: with both, the keys are the
+    quaternions) sums the gradients of one tensor in the kernel: ``gqs`` then
+    holds d qs + d qd (+ d ks + d kd), ``gks`` d ks + d kd; the other slots keep
+    their own parts. Each input's gradient is in that input's dtype (half
+    features: a half ``gv``; the quaternions', keys' and β's stay float32)."""
+    v, qs, qd, ks, kd, beta, scale, alpha, u, y = (t.contiguous() for t in (
+        v, qs, qd, ks, kd, beta, scale, alpha, u, y))
+    gz, gz_sn, gz_sh = _rows_strides(gz)
     galpha = None if galpha is None else galpha.contiguous()
     s = _Setup(v, ks)
     Ns, Nd, E = v.size(0), rowptr.numel() - 1, col.numel()
     scaled = _check_scale(scale, E, s.H)
-    opts = dict(dtype=v.dtype, device=v.device)
 
-    def maybe(need: bool, *shape) -> Tensor:  # distinct empty tensors: no aliasing
-        return torch.empty(shape if need else (0, ), **opts)
+    def maybe(need: bool, like: Tensor, *shape) -> Tensor:  # distinct: no aliasing
+        return torch.empty(shape if need else (0, ), dtype=like.dtype, device=v.device)
 
-    gv = maybe(need_v, *v.shape)
-    gqs, gqd = maybe(need_q, Ns, s.H, 4), maybe(need_q, Nd, s.H, 4)
-    gks, gkd = maybe(need_k, Ns, s.H, s.D), maybe(need_k, Nd, s.H, s.D)
+    gv = maybe(need_v, v, *v.shape)
+    gqs, gqd = maybe(need_q, qs, Ns, s.H, 4), maybe(need_q, qd, Nd, s.H, 4)
+    gks, gkd = maybe(need_k, ks, Ns, s.H, s.D), maybe(need_k, kd, Nd, s.H, s.D)
     ga_buf = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
     gd = torch.empty(E, s.H, dtype=s.acc_dtype, device=v.device)
-    gbias = maybe(need_bias, E, s.H)
-    gbeta_part = torch.zeros(Nd, s.H, dtype=s.acc_dtype, device=v.device)
+    gbias = maybe(need_bias, alpha, E, s.H)  # float32 (float64), as alpha
+    # every (target, head) entry is written by pass A: no zero fill
+    gbeta_part = torch.empty(Nd, s.H, dtype=s.acc_dtype, device=v.device)
+    sum_q = bool(shared & SHARED_Q) and need_q and Ns == Nd
+    sum_k = bool(shared & SHARED_K) and need_k and Ns == Nd
+    keys_q = bool(shared & KEYS_ARE_Q) and sum_q and sum_k and s.D == 4
     CALLS["backward"] += 1
     if Nd:
         s.k.backward_rows[(Nd, s.head_tiles)](
@@ -302,7 +330,7 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
             _nonempty(ks, v), _nonempty(kd, v), beta, _nonempty(scale, v), rowptr, col,
             _nonempty(alpha, v), _nonempty(y, v), _nonempty(ga_buf, gbeta_part),
             _nonempty(gd, gbeta_part), _nonempty(gbias, v), gbeta_part, _nonempty(gqd, v),
-            _nonempty(gkd, v), s.H, s.M, s.D, USE_ABS=use_abs, ROTATE=rotate,
+            _nonempty(gkd, v), s.H, s.M, s.D, gz_sn, gz_sh, USE_ABS=use_abs, ROTATE=rotate,
             HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None, HAS_SCALE=scaled,
             NEED_Q=need_q, NEED_K=need_k, NEED_BIAS=need_bias, ACC=s.acc, BE=s.BE, BH=s.BH,
             BM=s.BM, BD=s.BD)
@@ -312,10 +340,55 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
             gz if Nd else v, v, _nonempty(qs, v), _nonempty(qd, v), _nonempty(kd, v),
             _nonempty(alpha, v), _nonempty(scale, v), _nonempty(gd, gbeta_part),
             rowptr_t.contiguous(), perm_t.contiguous(), row_t.contiguous(), _nonempty(gv, v),
-            _nonempty(gqs, v), _nonempty(gks, v), s.H, s.M, s.D, ROTATE=rotate,
+            _nonempty(gqs, v), _nonempty(gks, v), _nonempty(gqd, v), _nonempty(gkd, v), s.H,
+            s.M, s.D, gz_sn if Nd else 0, gz_sh if Nd else 0, ROTATE=rotate,
             HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v, NEED_Q=need_q, NEED_K=need_k,
-            ACC=s.acc, BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
+            SUM_QD=sum_q, SUM_KD=sum_k, KEYS_INTO_Q=keys_q, ACC=s.acc, BE=s.BE, BH=s.BH,
+            BM=s.BM, BD=s.BD)
     gbeta = gbeta_part.sum(0).to(beta.dtype)
     if need_bias and not Nd:
         gbias.zero_()
     return gv, gqs, gqd, gks, gkd, gbeta, gbias
+
+
+# ------------------------------------------------------- unit quaternions
+UNIT_ROWS = 256  # quaternions per program
+
+
+def unit_available(q: Tensor) -> bool:
+    """Whether :func:`unit_quaternion` takes ``q``: float32 / float64 on the
+    Triton path (:func:`available`), not while torch.compile traces (inductor
+    fuses the PyTorch ops itself)."""
+    return q.dtype in (torch.float32, torch.float64) and available(q) and \
+        not torch.compiler.is_compiling()
+
+
+@_on_device
+def unit_quaternion(q: Tensor, eps: float) -> Tensor:
+    """``q / |q|`` with norms ``<= eps`` the identity, in one launch (the
+    PyTorch ops are nine, and eight for the gradient)."""
+    import triton.language as tl
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    rows = qc.numel() // 4
+    if rows:
+        k = _kernels(q.device.type != "cuda" or mode() == "interpret")
+        k.unit_rows[(-(-rows // UNIT_ROWS), )](
+            qc, out, rows, EPS=float(eps),
+            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS)
+    return out
+
+
+@_on_device
+def unit_quaternion_backward(q: Tensor, grad: Tensor, eps: float) -> Tensor:
+    """The gradient of :func:`unit_quaternion` for the incoming ``grad``."""
+    import triton.language as tl
+    qc, gc = q.contiguous(), grad.contiguous().to(q.dtype)
+    out = torch.empty_like(qc)
+    rows = qc.numel() // 4
+    if rows:
+        k = _kernels(q.device.type != "cuda" or mode() == "interpret")
+        k.unit_rows_backward[(-(-rows // UNIT_ROWS), )](
+            qc, gc, out, rows, EPS=float(eps),
+            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS)
+    return out
