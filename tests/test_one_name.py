@@ -93,11 +93,11 @@ def test_old_spellings_still_work_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # today's names: no warning
         new, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior-weight", "0"]))
-    with pytest.warns(DeprecationWarning, match="--beta-prior is the old name of "
+    with pytest.warns(FutureWarning, match="--beta-prior is the old name of "
                                                 "--beta-prior-weight"):
         old, _ = config_from_args(parse_fields(["--model", "qsv", "--beta-prior", "0"]))
     assert old == new and old.beta_prior_weight == 0.0 and old.beta_prior_centre is None
-    with pytest.warns(DeprecationWarning, match="old spelling of 'composed'"):
+    with pytest.warns(FutureWarning, match="old spelling of 'composed'"):
         both, _ = config_from_args(parse_fields(["--model", "qsv", "--quat-source", "both"]))
     assert both.quat_source == "composed" and both.model_overrides() == {"quat_source": "composed"}
     assert "--beta-prior-weight W, --beta-prior W" in " ".join(build_parser().format_help().split())

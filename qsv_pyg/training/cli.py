@@ -75,7 +75,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kwargs["help"] += ": " + ", ".join(available_models())
     if meta["metavar"]:
         kwargs["metavar"] = meta["metavar"]
-    old_flags = [flag_of(old) for old in meta["aliases"]]  # read with a DeprecationWarning
+    old_flags = [flag_of(old) for old in meta["aliases"]]  # read with a FutureWarning
     if old_flags:
         kwargs["help"] += f" (old spelling: {', '.join(old_flags)})"
         if kind in (bool, dict, list):
@@ -102,13 +102,15 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
 def _spelling(aliases: Dict[str, str], text: str) -> str:
     if text not in aliases:
         return text
-    warnings.warn(f"{text!r} is an old spelling of {aliases[text]!r}", DeprecationWarning,
+    # FutureWarning, not DeprecationWarning: a command-line user must see it
+    # (Python hides DeprecationWarnings raised outside __main__).
+    warnings.warn(f"{text!r} is an old spelling of {aliases[text]!r}", FutureWarning,
                   stacklevel=2)
     return aliases[text]
 
 
 class _StoreOldFlag(argparse._StoreAction):
-    """``store``, with a :class:`DeprecationWarning` when the flag is an old name."""
+    """``store``, with a :class:`FutureWarning` (shown by default) when the flag is an old name."""
 
     def __init__(self, option_strings, dest, new_flag: str, **kwargs):
         super().__init__(option_strings, dest, **kwargs)
@@ -117,7 +119,7 @@ class _StoreOldFlag(argparse._StoreAction):
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string is not None and option_string != self.new_flag:
             warnings.warn(f"{option_string} is the old name of {self.new_flag}",
-                          DeprecationWarning, stacklevel=2)
+                          FutureWarning, stacklevel=2)
         super().__call__(parser, namespace, values, option_string)
 
 
