@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.parameter import UninitializedParameter
 
-import qsv_pyg.nn.qsv_conv as qsv_conv_module
+import qsv_pyg.nn.fused_path as fused_path_module
 import torch_geometric.typing
 from qsv_pyg.nn import QSVConv, qsv_conv_reference
 from qsv_pyg.nn.models import QSV
@@ -477,13 +477,13 @@ def test_quaternions_reach_the_operator_in_float32_under_autocast(quat_source, m
     """Under CPU autocast (bf16) the feature quaternions (and given ones passed in
     bf16) are computed and normalised in float32: unit to float32 rounding."""
     seen = []
-    orig = qsv_conv_module.qsv_attend
+    orig = fused_path_module.qsv_attend
 
     def spy(v, q_src, q_dst, *args, **kwargs):
         seen.append((q_src, q_dst))
         return orig(v, q_src, q_dst, *args, **kwargs)
 
-    monkeypatch.setattr(qsv_conv_module, "qsv_attend", spy)
+    monkeypatch.setattr(fused_path_module, "qsv_attend", spy)
     torch.manual_seed(0)
     conv = QSVConv(16, 8, heads=2, quat_source=quat_source)
     x = torch.randn(10, 16, generator=gen(35))

@@ -1,13 +1,15 @@
 """QSVConv: quaternion graph attention as a PyG ``MessagePassing`` layer.
 
 The layer, read top to bottom: options, set-up and state dicts, the checks of
-a call, the choice of path, ``forward``, the fast path (the registered operator
-of :mod:`qsv_pyg.nn.qsv_kernel` over the graph's cached CSR,
-:mod:`qsv_pyg.nn.csr`) and PyG message passing. Two ideas have their own
-files, joined as mixins: where the node quaternions come from
-(``quat_source``, :class:`~qsv_pyg.nn.quat_sources.QuatSourceMixin`) and the
-edge features with the other per-edge logit terms
-(:class:`~qsv_pyg.nn.edge_features.EdgeFeaturesMixin`); the argument checks
+a call, ``forward`` and the output projection. The rest is in files of their
+own, joined as mixins: where the node quaternions come from (``quat_source``,
+:class:`~qsv_pyg.nn.quat_sources.QuatSourceMixin`), the edge features with
+the other per-edge logit terms
+(:class:`~qsv_pyg.nn.edge_features.EdgeFeaturesMixin`), the choice of path
+and the fast path (the registered operator of :mod:`qsv_pyg.nn.qsv_kernel`
+over the graph's cached CSR, :mod:`qsv_pyg.nn.csr`;
+:class:`~qsv_pyg.nn.fused_path.FusedPathMixin`) and PyG message passing
+(:class:`~qsv_pyg.nn.message_path.MessagePathMixin`); the argument checks
 are :mod:`qsv_pyg.nn.checks`. Both paths take the routing logit from
 :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`; :mod:`qsv_pyg.nn.reference`
 keeps the literal per-edge formula.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import math
 import typing
-import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -30,19 +31,21 @@ from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
 from torch_geometric.typing import Adj, OptTensor, Size, SparseTensor
-from torch_geometric.utils import is_torch_sparse_tensor, softmax
+from torch_geometric.utils import is_torch_sparse_tensor
 from torch_geometric.utils.sparse import set_sparse_value
 
-from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
 from .checks import check_finite, check_float, check_option
-from .csr import (
-    cached_batch_edge_index,
-    check_edge_index,
-    graph_csr,
-    with_self_loops_and_attr,
-)
+from .csr import check_edge_index, with_self_loops_and_attr
 from .edge_features import EdgeFeaturesMixin
-from .qsv_kernel import distance_logits, qsv_attend, routing_logits
+from .fused_path import (  # noqa: F401 (DENSE_PATHS, FUSED_PATHS, PATHS: imported from here)
+    DENSE_PATHS,
+    FUSED_PATHS,
+    PATHS,
+    FusedPathMixin,
+    _from_dense_path,
+    _fused_path,
+)
+from .message_path import MessagePathMixin
 from .quat_sources import QuatSourceMixin, resolve_quat_source
 
 if typing.TYPE_CHECKING:
@@ -52,53 +55,10 @@ else:
 
 ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
-#: The values of ``fused_path``.
-FUSED_PATHS = ("auto", "never")
-#: The values of ``dense_path``, ``fused_path``'s deprecated name: ``"always"``
-#: is a deprecated synonym of ``"auto"`` (:func:`_from_dense_path`).
-DENSE_PATHS = ("auto", "always", "never")
 
 
-def _fused_path(value: str) -> str:
-    """``value`` if ``fused_path`` takes it, else a ValueError."""
-    if value == "always":
-        raise ValueError("fused_path='always' is not supported: 'auto' takes the fused "
-                         "path whenever the call allows ('always' was a deprecated "
-                         "synonym of 'auto' under the old name dense_path)")
-    return check_option("fused_path", value, FUSED_PATHS)
-
-
-def _from_dense_path(value: str, stacklevel: int = 3) -> str:
-    """The ``fused_path`` of an old ``dense_path`` value, with a
-    DeprecationWarning (``"always"`` is read as ``"auto"``)."""
-    check_option("dense_path", value, DENSE_PATHS)
-    note = "; its value 'always' is 'auto'" if value == "always" else ""
-    warnings.warn(f"QSVConv: dense_path is deprecated, use fused_path{note}",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return "auto" if value == "always" else value
-
-
-#: The aggregations of :meth:`QSVConv.choose_path`.
-PATHS = ("attend_shared", "attend_per_item", "message_passing")
-# PyG's per-step hooks, which only message passing runs. PyG registers them
-# through public methods (``register_message_forward_hook`` ...) but has no
-# public way to ask for them: these are the dictionaries those methods fill
-# (tests/test_dispatch.py registers one of each kind).
-_PYG_HOOKS = tuple(f"_{step}_forward{kind}_hooks" for step in (
-    "propagate", "message", "aggregate", "message_and_aggregate", "edge_update")
-    for kind in ("_pre", ""))
-
-
-def _flat_batch(t: OptTensor, batch: int) -> OptTensor:
-    """Per-item ``[B, N, H, *]`` (4-D) or shared ``[N, *]`` -> ``[B * N, *]``:
-    node rows of ``batch`` disjoint copies of a graph."""
-    if t is None:
-        return None
-    t = t if t.dim() == 4 else t.unsqueeze(0).expand(batch, *t.shape)
-    return t.reshape(batch * t.size(1), *t.shape[2:])
-
-
-class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
+class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMixin,
+              MessagePassing):
     r"""Quaternion graph attention from Quat-Sphere-Vision (QSV).
 
     Every node carries one unit quaternion per head, :math:`q_i^{(h)}`, in place
@@ -435,17 +395,6 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         r"""The per-head routing temperatures :math:`\beta_h` (shape ``[heads]``)."""
         return self.log_beta.exp()
 
-    @property
-    def dense_path(self) -> str:
-        """Deprecated name of ``fused_path`` (with a DeprecationWarning)."""
-        warnings.warn("QSVConv: dense_path is deprecated, use fused_path",
-                      DeprecationWarning, stacklevel=2)
-        return self.fused_path
-
-    @dense_path.setter
-    def dense_path(self, value: str) -> None:
-        self.fused_path = _from_dense_path(value, stacklevel=4)  # via Module.__setattr__
-
     # -------------------------------------------------------- call checks
     def _checks_finite(self, t: Tensor) -> bool:
         """Whether this call checks finiteness (``check_finite``; never under
@@ -496,54 +445,6 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
             if self._checks_finite(t):
                 check_finite(t, f"{side} positions (pos)")
         return pair
-
-    # ------------------------------------------------------------ the path
-    def choose_path(self, x_src: Tensor, q_src: OptTensor, edge_index: Adj) -> str:
-        """How one call aggregates, one of :data:`PATHS` (:meth:`path_reason`
-        says why).
-
-        Args:
-            x_src: source features ``[N, C]`` or ``[B, N, C]``.
-            q_src: the unit source quaternions (``[N, H, 4]`` shared by a batch,
-                ``[B, N, H, 4]`` per item) or :obj:`None`.
-            edge_index: the adjacency as passed to the layer.
-        """
-        return self.path_reason(x_src, q_src, edge_index)[0]
-
-    def path_reason(self, x_src: Tensor, q_src: OptTensor, edge_index: Adj
-                    ) -> Tuple[str, str]:
-        """:meth:`choose_path`'s path and its reason, in words.
-
-        ``"message_passing"`` (PyG's ``propagate``, the literal softmax) for what
-        the operator does not do: ``fused_path="never"``, sparse adjacencies,
-        explainers (PyG's public ``explain``) and PyG's message-passing hooks.
-        Else the operator: ``"attend_per_item"`` over ``B`` disjoint copies of
-        the graph when a ``[B, N, C]`` input's weights differ per item (feature
-        quaternions, or attention dropout: every item draws its own mask),
-        ``"attend_shared"`` over the graph with one set of weights for the call
-        (2-D input, or a shared field: the batch rides along as channels).
-        The operator's implementation is
-        :func:`qsv_pyg.nn.qsv_kernel.backend`'s choice.
-        """
-        if self.fused_path == "never":
-            return "message_passing", "fused_path='never'"
-        if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
-            return "message_passing", "a sparse adjacency (SparseTensor or torch.sparse)"
-        if self.explain:
-            return "message_passing", "an explainer (explain=True) reads the messages"
-        for hooks in _PYG_HOOKS:
-            if getattr(self, hooks):
-                return "message_passing", f"a hook of PyG's message passing ({hooks})"
-        if x_src.dim() == 3 and q_src is not None and q_src.dim() == 4:
-            return "attend_per_item", "[B, N, C] input with per-item quaternions"
-        if x_src.dim() == 3 and self._drops_attention():
-            return "attend_per_item", "[B, N, C] input with attention dropout per item"
-        if x_src.dim() == 3 and self.source_logit:
-            return "attend_per_item", "[B, N, C] input with a per-source logit per item"
-        return "attend_shared", "one routing for the call (2-D input or a shared field)"
-
-    def _drops_attention(self) -> bool:
-        return self.training and self.dropout > 0
 
     # ---------------------------------------------------------------- forward
     @overload
@@ -701,173 +602,6 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, MessagePassing):
         if b:  # node-major rows (n, b) -> (b, n)
             proj = proj.reshape(-1, b, width).transpose(0, 1)
         return proj.reshape(*lead_out, width)
-
-    # -------------------------------------------------------------- fast path
-    def _routing_keys(self, q_src: Tensor, q_dst: OptTensor, num_src: int, num_dst: int,
-                      ref: Tensor) -> Tuple[Tensor, Tensor]:
-        """Routing keys ``[*, N, H, D]`` of the operator (``logit = beta *
-        <k_i, k_j>``, :func:`~qsv_pyg.nn.qsv_kernel.routing_logits`): the
-        quaternions for learned routing, none (``D = 0``) for uniform and
-        geometric routing (whose logit is the additive term,
-        :meth:`_edge_logit`)."""
-        if self.routing in ("learned", "abs"):
-            assert q_dst is not None
-            return q_src, q_dst  # Re(q_i* q_j) = <q_i, q_j>
-        return ref.new_empty(num_src, self.heads, 0), ref.new_empty(num_dst, self.heads, 0)
-
-    def _attend(self, path: str, x: Tensor, q_src: Tensor, q_dst: OptTensor,
-                pos: Tuple[OptTensor, OptTensor], edge_index: Tensor, num_dst: int,
-                want_alpha: bool = True, edge_attr: OptTensor = None,
-                src_score: OptTensor = None) -> Tuple[Tensor, Tensor, int]:
-        """Aggregate by the registered operator; returns ``(z_h [H, M, C], alpha,
-        b)``, rows node-major ``(n, b)`` when ``b > 0`` (:meth:`_project`).
-        ``alpha`` is in the order of ``edge_index`` when ``want_alpha``, else in
-        the graph's target-sorted order (not reordered: nobody reads it)."""
-        H = self.heads
-        C = x.size(-1) // H
-        n_src = x.size(-2)
-        rotate = self.transport == "sandwich"
-        use_abs = self.routing == "abs"
-        B = x.size(0) if x.dim() == 3 else 1
-        per_item = path == "attend_per_item"
-        # An EdgeIndex's CSR comes from its own cached CSC / CSR, a plain
-        # tensor's from the process-wide cache (qsv_pyg.nn.csr.graph_csr).
-        graph = graph_csr(edge_index, n_src, num_dst, batch=B if per_item else 0)
-        copies = B if per_item else 1
-        # The base graph's sorted edges: the first copy's (batch_csr keeps copy 0's
-        # perm as it is), in the order of edge_attr.
-        base_perm = graph.perm[:edge_index.size(1)] if per_item else graph.perm
-        if per_item:
-            q_s = _flat_batch(q_src, B) if rotate else None
-            q_d = _flat_batch(q_dst, B) if rotate else None
-        else:
-            q_s = q_src if rotate else None
-            q_d = q_dst if rotate else None
-        k_src, k_dst = self._routing_keys(q_src, q_dst, n_src, num_dst, x)
-        if per_item:
-            k_src, k_dst = _flat_batch(k_src, B), _flat_batch(k_dst, B)
-        logit = self._edge_logit(graph, base_perm, copies, pos, edge_attr, src_score)
-        mask = self._dropout_mask(graph.col.numel(), x)
-        if per_item:
-            v = x.reshape(B * n_src, H, C // 4, 4)
-        else:  # [N, H, B * C / 4, 4]: the batch rides along as more blocks of each row.
-            v = x.view(B, n_src, H, C // 4, 4).permute(1, 2, 0, 3, 4).reshape(
-                n_src, H, B * C // 4, 4)
-        z, alpha = qsv_attend(v, q_s, q_d, k_src, k_dst, self.beta, graph, use_abs,
-                              edge_scale=mask, edge_logit=logit)
-        used = alpha if mask is None else alpha * mask.to(alpha.dtype)  # the weights used
-        if self.edge_message and edge_attr is not None:
-            extra = self._edge_message_sum(graph, base_perm, copies, edge_attr, used, q_s,
-                                           q_d, copies * num_dst, C)
-            if per_item:
-                z = z + extra.to(z.dtype)
-            else:
-                z = (z.view(num_dst, H, B, C // 4, 4) + extra.to(z.dtype).unsqueeze(2)
-                     ).view(z.shape)
-        if want_alpha:  # in edge order, the weights used, as GATConv returns them
-            alpha = torch.empty_like(used).index_copy_(0, graph.perm, used)
-        if per_item:
-            return z.view(B * num_dst, H, C).transpose(0, 1), alpha.view(B, -1, H), 0
-        z_h = z.view(num_dst, H, B * C).transpose(0, 1).reshape(H, num_dst * B, C)
-        if x.dim() == 3:
-            return z_h, alpha.expand(B, -1, -1), B
-        return z_h, alpha, 0
-
-    def _dropout_mask(self, num_edges: int, ref: Tensor) -> OptTensor:
-        """Attention dropout's ``[E, H]`` edge scale (0 or ``1 / (1 - p)``, as
-        :func:`torch.nn.functional.dropout` draws it), or None when not dropping."""
-        if not self._drops_attention():
-            return None
-        keep = 1.0 - self.dropout
-        dt = torch.promote_types(ref.dtype, torch.float32)
-        mask = torch.empty(num_edges, self.heads, dtype=dt, device=ref.device)
-        return mask.bernoulli_(keep).div_(keep)
-
-    # ------------------------------------------------------- message passing
-    def _message_passing(self, x: Tensor, q_src: Tensor, q_dst: OptTensor,
-                         pos: Tuple[OptTensor, OptTensor], edge_index: Adj, num_dst: int,
-                         edge_attr: OptTensor = None, src_score: OptTensor = None
-                         ) -> Tuple[Tensor, Tensor]:
-        """PyG's ``propagate``; returns ``z [*, N_dst, H, C]`` and alpha. A
-        ``[B, N, C]`` batch runs over ``B`` disjoint copies of the graph."""
-        H = self.heads
-        C = x.size(-1) // H
-        # PyG's ops take one dtype: a half-precision layer (no autocast) passes
-        # messages in its own dtype, as it always did (the unit quaternions are
-        # float32; the fast path keeps them so).
-        if q_src.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            same = q_dst is q_src
-            q_src = q_src.to(x.dtype)
-            q_dst = q_src if same else (None if q_dst is None else q_dst.to(x.dtype))
-        rot_src = rot_dst = None
-        if self.transport == "sandwich":
-            assert q_dst is not None
-            rot_src = quaternion_to_matrix(q_src)
-            rot_dst = rot_src if q_dst is q_src else quaternion_to_matrix(q_dst)
-        # Rotate each source once by q_j (the first half of the factorised
-        # sandwich); messages are then plain weighted sums.
-        lead = x.shape[:-1]  # (N,) or (B, N)
-        v = x.view(*lead, H, C // 4, 4)
-        if rot_src is not None:
-            v = matrix_rotate_blocks(rot_src, v)
-        v = v.reshape(*lead, H, C)
-        # The message's edge embedding is rotated by q_j in message().
-        rot_msg = rot_src if self.edge_message else None
-        if x.dim() == 2:
-            size = (x.size(0), num_dst)
-            alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos,
-                                      edge_attr=edge_attr, s=(src_score, None), size=size)
-            z = self.propagate(edge_index, x=(v, None), alpha=alpha, edge_attr=edge_attr,
-                               rot=(rot_msg, None), size=size)
-        else:
-            if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
-                raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
-            B, n_src = v.size(0), v.size(1)
-            flat_index = cached_batch_edge_index(edge_index, B, n_src, num_dst)
-            size = (B * n_src, B * num_dst)
-            flat_attr = None if edge_attr is None else edge_attr.repeat(B, 1)
-            flat_score = None if src_score is None else src_score.reshape(B * n_src, H)
-            if rot_msg is not None:
-                rot_msg = rot_msg.reshape(B * n_src, H, 3, 3) if rot_msg.dim() == 5 else \
-                    rot_msg.unsqueeze(0).expand(B, *rot_msg.shape).reshape(B * n_src, H, 3, 3)
-            alpha = self.edge_updater(
-                flat_index, q=(_flat_batch(q_src, B), _flat_batch(q_dst, B)),
-                pos=(_flat_batch(pos[0], B), _flat_batch(pos[1], B)), edge_attr=flat_attr,
-                s=(flat_score, None), size=size)
-            z = self.propagate(flat_index, x=(v.reshape(B * n_src, H, C), None),
-                               alpha=alpha, edge_attr=flat_attr, rot=(rot_msg, None),
-                               size=size)
-            z, alpha = z.view(B, num_dst, H, C), alpha.view(B, -1, H)
-        if rot_dst is not None:
-            z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
-                                     z.view(*z.shape[:-1], C // 4, 4))
-            z = z.reshape(*z.shape[:-2], C)
-        return z, alpha
-
-    def edge_update(self, q_i: OptTensor, q_j: OptTensor, pos_i: OptTensor,
-                    pos_j: OptTensor, edge_attr: OptTensor, s_j: OptTensor, index: Tensor,
-                    ptr: OptTensor, dim_size: Optional[int]) -> Tensor:
-        if self.routing == "uniform":  # equal logits: the softmax gives 1 / deg
-            ref = q_j if q_j is not None else pos_j
-            if ref is None:
-                ref = s_j if s_j is not None else edge_attr
-            assert ref is not None
-            logits = ref.new_zeros(index.numel(), self.heads)
-        elif self.routing == "geometric":
-            assert pos_i is not None and pos_j is not None
-            logits = distance_logits(pos_i, pos_j, self.beta)
-        else:
-            assert q_i is not None and q_j is not None
-            logits, _ = routing_logits(q_i, q_j, self.beta, self.routing == "abs")
-        logits = self._add_edge_scores(logits, edge_attr, s_j)
-        if index.numel() == 0:
-            return logits
-        alpha = softmax(logits, index, ptr, dim_size)
-        return F.dropout(alpha, p=self.dropout, training=self.training)
-
-    def message(self, x_j: Tensor, alpha: Tensor, edge_attr: OptTensor,
-                rot_j: OptTensor) -> Tensor:
-        return alpha.unsqueeze(-1) * self._with_edge_embedding(x_j, edge_attr, rot_j)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.in_channels}, "
