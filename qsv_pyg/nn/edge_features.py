@@ -29,8 +29,10 @@ from .qsv_kernel import distance_logits
 
 
 class EdgeFeaturesMixin:
-    """The edge features (``edge_dim``, ``fill_value``, ``edge_message``) and
-    the per-source score (``source_logit``) of :class:`~qsv_pyg.nn.QSVConv`.
+    """The edge features (``edge_dim``, ``fill_value``, ``edge_message``), the
+    per-source score (``source_logit``) and the checked node positions of
+    distance routing (:meth:`_positions`; their exact logit is the same additive
+    term) of :class:`~qsv_pyg.nn.QSVConv`.
 
     The layer calls :meth:`_set_edge_options` with its arguments and
     :meth:`_make_edge_maps` once the source width is known; the maps are its
@@ -191,3 +193,26 @@ class EdgeFeaturesMixin:
                 emb = matrix_rotate_blocks(rot_j, emb)
             x_j = x_j + emb.reshape(x_j.shape)
         return x_j
+
+    def _positions(self, pos, num_src: int, num_dst: int) -> Tuple[OptTensor, OptTensor]:
+        """The checked ``(source, target)`` positions for geometric routing."""
+        if self.routing != "geometric":
+            return None, None
+        if pos is None:
+            raise ValueError("routing='geometric' needs node positions: pass pos")
+        pair = (pos, pos) if isinstance(pos, Tensor) else (pos[0], pos[1])
+        if pair[0] is None or pair[1] is None:
+            raise ValueError("routing='geometric' needs positions of source and "
+                             "target nodes")
+        for t, rows, side in ((pair[0], num_src, "source"), (pair[1], num_dst, "target")):
+            name = f"pos ({side})"
+            check_float(t, name)
+            if t.dim() != 2:
+                raise ValueError(f"QSVConv: {name} must have shape [num_nodes, dim], "
+                                 f"got {tuple(t.shape)}")
+            if t.size(0) != rows:
+                raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
+                                 f"{rows} {side} nodes")
+            if self._checks_finite(t):
+                check_finite(t, f"{side} positions (pos)")
+        return pair

@@ -423,29 +423,6 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
             # An overflowing temperature would turn every weight into NaN.
             check_finite(self.log_beta.exp(), "routing temperatures beta (exp(log_beta))")
 
-    def _positions(self, pos, num_src: int, num_dst: int) -> Tuple[OptTensor, OptTensor]:
-        """The checked ``(source, target)`` positions for geometric routing."""
-        if self.routing != "geometric":
-            return None, None
-        if pos is None:
-            raise ValueError("routing='geometric' needs node positions: pass pos")
-        pair = (pos, pos) if isinstance(pos, Tensor) else (pos[0], pos[1])
-        if pair[0] is None or pair[1] is None:
-            raise ValueError("routing='geometric' needs positions of source and "
-                             "target nodes")
-        for t, rows, side in ((pair[0], num_src, "source"), (pair[1], num_dst, "target")):
-            name = f"pos ({side})"
-            check_float(t, name)
-            if t.dim() != 2:
-                raise ValueError(f"QSVConv: {name} must have shape [num_nodes, dim], "
-                                 f"got {tuple(t.shape)}")
-            if t.size(0) != rows:
-                raise ValueError(f"QSVConv: {name} has {t.size(0)} rows but there are "
-                                 f"{rows} {side} nodes")
-            if self._checks_finite(t):
-                check_finite(t, f"{side} positions (pos)")
-        return pair
-
     # ---------------------------------------------------------------- forward
     @overload
     def forward(self, x, edge_index, edge_attr=None, quat=None, pos=None, size=None,
