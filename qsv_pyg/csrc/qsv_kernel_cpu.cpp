@@ -135,6 +135,15 @@ inline int64_t grain(int64_t work_per_row) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_row, 1));
 }
 
+// Ask for the cache lines of a row of n values that a loop will read soon
+// (the rows of a target's sources, or of a source's targets, are scattered).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
 template <bool SCALED, int BLK, int DK, typename T>
 void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
                   const T* kd, const T* beta, const T* scale, const T* bias,
@@ -169,6 +178,10 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
       for (int64_t h = 0; h < H; ++h) {
         mx[h] = -std::numeric_limits<T>::infinity();
         tot[h] = 0;
+      }
+      for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
+        prefetch_row(ks + nb[e] * HD, HD);
+        prefetch_row(src + nb[e] * HB, HB);
       }
       for (int64_t e = 0; e < deg; ++e) {
         const T* ksj = ks + nb[e] * HD;
@@ -226,32 +239,50 @@ struct Needs {
 };
 
 // Longer than the usual 80 lines on purpose: the two passes share one argument
-// list and pass B reads what pass A wrote (gy, gd); split, both halves would
+// list and pass B reads what pass A wrote (gy, wg); split, both halves would
 // take the same twenty pointers.
+//
+// wg [E, 2, H]: what pass B needs of every edge, written by pass A in pass B's
+// (transposed, per source) order so that pass B streams it instead of
+// gathering two rows per edge at random: wg[p][0] = alpha (s) (when gu is
+// needed), wg[p][1] = dL/d<kd, ks> (when the keys' gradients are). pos_t [E]:
+// the transposed position of every sorted edge (the inverse of perm_t).
 template <bool SCALED, int BLK, int DK, typename T>
 void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
                    const T* v, const T* qs, const T* qd, const T* ks, const T* kd,
                    const T* beta, const T* scale, const int64_t* rowptr, const int64_t* col,
                    const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
-                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
-                   T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
+                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* wg,
+                   int64_t* pos_t, T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs,
+                   T* gks) {
   const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
   const int64_t HB = H * blk, HD = H * D;
   const T* src = s.rotate ? u : v;
   const T* gy = s.rotate ? gy_buf : gz;
   const bool use_abs = s.use_abs;
+  const bool need_u = need.v || (need.q && s.rotate);
+  const bool pass_b = need.v || need.q || need.k;
+  if (pass_b) {
+    at::parallel_for(0, s.E, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) pos_t[perm_t[p]] = p;
+    });
+  }
   // Pass A, per target row i (all heads): gy = Q_i gz, softmax backward, logit
   // gradients, the target key's gradient and the target rotation's gradient.
   const int64_t row_work =
       H * (2 * blk + D + 32 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16], G[16];
-    std::vector<T> state(2 * H);
+    std::vector<T> state(2 * H), ga_buf;
     T* __restrict__ sa = state.data();
     T* __restrict__ gb = sa + H;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
       const int64_t* nb = col + e0;
+      for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
+        prefetch_row(src + nb[e] * HB, HB);
+        if (need.k) prefetch_row(ks + nb[e] * HD, HD);
+      }
       const T* g = gz + i * HB;
       if (s.rotate) {
         for (int64_t h = 0; h < H; ++h) {
@@ -261,12 +292,13 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         }
       }
       const T* __restrict__ gyr = gy + i * HB;
+      if (static_cast<int64_t>(ga_buf.size()) < deg * H) ga_buf.resize(deg * H);
+      T* __restrict__ gar = ga_buf.data();
       for (int64_t h = 0; h < H; ++h) sa[h] = gb[h] = 0;
-      // ga = (s) <gy, u> + galpha, held in gd for now; sa = sum_e alpha ga.
+      // ga = (s) <gy, u> + galpha; sa = sum_e alpha ga.
       for (int64_t e = 0; e < deg; ++e) {
         const T* __restrict__ uj = src + nb[e] * HB;
         const T* __restrict__ al = alpha + (e0 + e) * H;
-        T* __restrict__ gdr = gd + (e0 + e) * H;
         const T* ga = galpha ? galpha + (e0 + e) * H : nullptr;
         const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
         for (int64_t h = 0; h < H; ++h) {
@@ -281,7 +313,7 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
             acc = ga ? ga[h] : T(0);
             for (int64_t c = 0; c < blk; ++c) acc += gh[c] * uh[c];
           }
-          gdr[h] = acc;
+          gar[e * H + h] = acc;
           sa[h] += al[h] * acc;
         }
       }
@@ -293,7 +325,7 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       for (int64_t e = 0; e < deg; ++e) {
         const T* __restrict__ al = alpha + (e0 + e) * H;
         const T* __restrict__ dt = dot + (e0 + e) * H;
-        T* __restrict__ gdr = gd + (e0 + e) * H;
+        T* __restrict__ gdr = gar + e * H;
         T* gl = glogit ? glogit + (e0 + e) * H : nullptr;
         for (int64_t h = 0; h < H; ++h) {
           const T gs = al[h] * (gdr[h] - sa[h]);  // dL/dlogit
@@ -303,6 +335,22 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
           T gdv = gs * beta[h];
           if (use_abs) gdv *= T((d > 0) - (d < 0));
           gdr[h] = gdv;
+        }
+        if (pass_b) {  // pass B's inputs, in its order
+          T* __restrict__ out = wg + pos_t[e0 + e] * 2 * H;
+          if (need_u) {
+            const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+            for (int64_t h = 0; h < H; ++h) {
+              if constexpr (SCALED) {
+                out[h] = al[h] * sc[h];
+              } else {
+                out[h] = al[h];
+              }
+            }
+          }
+          if (need.k) {
+            for (int64_t h = 0; h < H; ++h) out[H + h] = gdr[h];
+          }
         }
         if (need.k) {
           const T* __restrict__ ksj = ks + nb[e] * HD;
@@ -324,16 +372,20 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       }
     }
   });
-  if (!need.v && !need.q && !need.k) return;
+  if (!pass_b) return;
   // Pass B, per source node j over its outgoing edges (transposed CSR), all
   // heads of j at once: gu_j = sum_i alpha_ij (s_ij) gy_i, gks_j = sum_i gd_ij kd_i.
-  const bool need_u = need.v || (need.q && s.rotate);
   const int64_t col_work =
       H * (blk + D) * std::max<int64_t>(s.E / std::max<int64_t>(s.Ns, 1), 1) + H * 32 * M;
   at::parallel_for(0, s.Ns, grain(col_work), [&](int64_t begin, int64_t end) {
     std::vector<T> gu_buf(need_u && s.rotate ? HB : 0);
     T Q[16], G[16];
     for (int64_t j = begin; j < end; ++j) {
+      const int64_t p0 = rowptr_t[j], p1 = rowptr_t[j + 1];
+      for (int64_t p = p0; p < p1; ++p) {  // the targets' rows, for the loop below
+        if (need_u) prefetch_row(gy + row_t[p] * HB, HB);
+        if (need.k) prefetch_row(kd + row_t[p] * HD, HD);
+      }
       // Without rotation gv = gu: accumulate in place.
       T* __restrict__ gu = s.rotate ? gu_buf.data() : (need.v ? gv + j * HB : nullptr);
       T* __restrict__ gk = need.k ? gks + j * HD : nullptr;
@@ -343,25 +395,22 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       if (need.k) {
         for (int64_t c = 0; c < HD; ++c) gk[c] = 0;
       }
-      for (int64_t p = rowptr_t[j]; p < rowptr_t[j + 1]; ++p) {
-        const int64_t e = perm_t[p], i = row_t[p];
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t i = row_t[p];
+        const T* __restrict__ in = wg + p * 2 * H;
         if (need_u) {
-          const T* __restrict__ al = alpha + e * H;
-          const T* sc = SCALED ? scale + e * H : nullptr;
           const T* __restrict__ gyi = gy + i * HB;
           for (int64_t h = 0; h < H; ++h) {
-            T a = al[h];
-            if constexpr (SCALED) a = al[h] * sc[h];
+            const T a = in[h];
             T* __restrict__ o = gu + h * blk;
             const T* __restrict__ gh = gyi + h * blk;
             for (int64_t c = 0; c < blk; ++c) o[c] += a * gh[c];
           }
         }
         if (need.k) {
-          const T* __restrict__ gdr = gd + e * H;
           const T* __restrict__ ki = kd + i * HD;
           for (int64_t h = 0; h < H; ++h) {
-            const T gdv = gdr[h];
+            const T gdv = in[H + h];
             for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ki[h * D + c];
           }
         }
@@ -517,7 +566,9 @@ std::vector<torch::Tensor> qsv_backward(
     return need ? torch::empty(shape, opts) : torch::empty({0}, opts);
   };
   auto gy = maybe(rotate, {s.Nd, s.H, s.M, 4});
-  auto gd = torch::empty({E, s.H}, opts);
+  const bool pass_b = need_v || need.q || need.k;
+  auto wg = maybe(pass_b, {E, 2, s.H});
+  auto pos_t = pass_b ? torch::empty({E}, rowptr.options()) : torch::empty({0}, rowptr.options());
   auto glogit = maybe(need_bias, {E, s.H});
   auto gbeta_part = torch::empty({s.Nd, s.H}, opts);
   auto gqd = maybe(need.q, {s.Nd, s.H, 4});
@@ -536,7 +587,8 @@ std::vector<torch::Tensor> qsv_backward(
           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(),
           perm_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
           dot.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
-          ptr_or_null<scalar_t>(gy), gd.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(glogit),
+          ptr_or_null<scalar_t>(gy), ptr_or_null<scalar_t>(wg),
+          pos_t.numel() ? pos_t.data_ptr<int64_t>() : nullptr, ptr_or_null<scalar_t>(glogit),
           gbeta_part.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(gqd), ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv),
           ptr_or_null<scalar_t>(gqs), ptr_or_null<scalar_t>(gks));
