@@ -678,3 +678,34 @@ def test_operator_refuses_a_misshapen_edge_logit(impl):
     with pytest.raises(RuntimeError, match="bias \\(14, 1\\) must be empty or \\[E, H\\]"):
         attend(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0), v.new_ones(14, 1), g.rowptr, g.col,
                g.row, g.rowptr_t, g.perm_t, g.row_t, False, True)
+
+
+# ------------------------------------- the C++ kernel's specialised head layouts
+LAYOUTS = {  # name: (H, M): blk = 4 M channels per head; the kernel specialises blk 4-32
+    "16x4": (16, 1), "8x8": (8, 2), "4x16": (4, 4), "2x32": (2, 8), "generic-3x12": (3, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keys,use_abs,rotate,scaled", [
+    (4, False, True, False), (0, False, True, True), (3, True, True, False),
+    (4, True, False, True), (0, False, False, False)],
+    ids=["quaternion", "uniform-scaled", "generic-keys-abs", "no-transport-scaled",
+         "uniform-no-transport"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_head_layouts_match_literal_formula(layout, keys, use_abs, rotate, scaled, dtype,
+                                            impl):
+    """The paper's head layouts (the C++ kernel's specialised widths, each with
+    the specialised and a generic key width) and a generic one: z, alpha and
+    every gradient against autograd of the literal formula, on a bipartite graph
+    with isolated targets."""
+    H, M = LAYOUTS[layout]
+    n_src, n_dst, num_edges, isolated = 12, 9, 40, (0, 5)
+    ei = random_graph(n_src, n_dst, num_edges, seed=110, isolated=isolated)
+    graph = graph_csr(ei, n_src, n_dst)
+    inputs = operator_inputs(n_src, n_dst, H, M, keys, dtype, seed=111, rotate=rotate)
+    scale = dropout_scale(num_edges, H, 0.3, seed=112, dtype=dtype) if scaled else None
+    got, want = scaled_results(inputs, ei, graph, n_dst, use_abs, scale, seed=113)
+    assert_results_close(got, want, **TOL[dtype])
+    for i in isolated:
+        assert torch.equal(got[0][i], torch.zeros_like(got[0][i]))

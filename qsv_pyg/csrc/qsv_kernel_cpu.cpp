@@ -89,49 +89,36 @@ inline void outer_rows(const T* a, const T* b, int64_t M, T* G) {
   }
 }
 
-// The weight of edge e (stride H): w[e * H], times sc[e * H] when SCALED (the
-// unscaled instantiation never touches sc).
-template <bool SCALED, typename T>
-inline T edge_weight(const T* w, const T* sc, int64_t e, int64_t H) {
-  if constexpr (SCALED) {
-    return w[e * H] * sc[e * H];
+// The loops below are edge-outer, head-inner: a target row i walks its edges
+// once, and for each edge reads the source's contiguous [H, D] keys and
+// [H, blk] features and the edge's contiguous [H] weights; the per-head
+// softmax state lives in arrays of size H and y_i is one contiguous [H * blk]
+// accumulator. The widths blk = 4 M and D are template parameters for the
+// common values (BLK > 0, DK >= 0; 0 and -1 mean "read it from Dims"), so the
+// innermost loops are unrolled and vectorised. Every sum is taken in the same
+// order as a head-by-head loop over the row's edges, so the results do not
+// depend on the specialisation.
+
+struct Dims {
+  int64_t Ns, Nd, H, M, D, E;
+  bool use_abs, rotate;
+};
+
+template <int BLK>
+inline int64_t block_width(const Dims& s) {
+  if constexpr (BLK > 0) {
+    return BLK;
   } else {
-    return w[e * H];
+    return s.M * 4;
   }
 }
 
-// out = sum_e w[e * H] (* sc[e * H]) * src[(idx[e] * H + h) * blk], one row of blk
-// values; the common widths accumulate in registers instead of in memory.
-template <bool SCALED, typename T, int BLK>
-inline void weighted_rows_fixed(const T* w, const T* sc, const int64_t* idx, int64_t deg,
-                                const T* src, int64_t H, int64_t h, T* __restrict__ out) {
-  T acc[BLK];
-  for (int c = 0; c < BLK; ++c) acc[c] = 0;
-  for (int64_t e = 0; e < deg; ++e) {
-    const T a = edge_weight<SCALED>(w, sc, e, H);
-    const T* __restrict__ s = src + (idx[e] * H + h) * BLK;
-    for (int c = 0; c < BLK; ++c) acc[c] += a * s[c];
-  }
-  for (int c = 0; c < BLK; ++c) out[c] = acc[c];
-}
-
-template <bool SCALED, typename T>
-inline void weighted_rows(const T* w, const T* sc, const int64_t* idx, int64_t deg,
-                          const T* src, int64_t H, int64_t h, int64_t blk,
-                          T* __restrict__ out) {
-  switch (blk) {
-    case 4: return weighted_rows_fixed<SCALED, T, 4>(w, sc, idx, deg, src, H, h, out);
-    case 8: return weighted_rows_fixed<SCALED, T, 8>(w, sc, idx, deg, src, H, h, out);
-    case 16: return weighted_rows_fixed<SCALED, T, 16>(w, sc, idx, deg, src, H, h, out);
-    case 32: return weighted_rows_fixed<SCALED, T, 32>(w, sc, idx, deg, src, H, h, out);
-    case 64: return weighted_rows_fixed<SCALED, T, 64>(w, sc, idx, deg, src, H, h, out);
-    default:
-      for (int64_t c = 0; c < blk; ++c) out[c] = 0;
-      for (int64_t e = 0; e < deg; ++e) {
-        const T a = edge_weight<SCALED>(w, sc, e, H);
-        const T* s = src + (idx[e] * H + h) * blk;
-        for (int64_t c = 0; c < blk; ++c) out[c] += a * s[c];
-      }
+template <int DK>
+inline int64_t key_width(const Dims& s) {
+  if constexpr (DK >= 0) {
+    return DK;
+  } else {
+    return s.D;
   }
 }
 
@@ -142,23 +129,28 @@ inline T dot_keys(const T* a, const T* b, int64_t D) {
   return d;
 }
 
-struct Dims {
-  int64_t Ns, Nd, H, M, D, E;
-  bool use_abs, rotate;
-};
-
 // Rows per parallel chunk: about 32k multiply-adds each, so that a few large
 // rows (small graphs with a wide batch) still spread over the threads.
 inline int64_t grain(int64_t work_per_row) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_row, 1));
 }
 
-template <bool SCALED, typename T>
+// Ask for the cache lines of a row of n values that a loop will read soon
+// (the rows of a target's sources, or of a source's targets, are scattered).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
+template <bool SCALED, int BLK, int DK, typename T>
 void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
                   const T* kd, const T* beta, const T* scale, const T* bias,
                   const int64_t* rowptr, const int64_t* col, T* u, T* y, T* z, T* alpha,
                   T* dot) {
-  const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
+  const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
+  const int64_t HB = H * blk, HD = H * D;
   if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
     at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
       T Q[16];
@@ -170,40 +162,72 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
   }
   const T* src = s.rotate ? u : v;
   T* sum = s.rotate ? y : z;
+  const bool use_abs = s.use_abs;
   const int64_t row_work =
       H * (blk + D + 16 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16];
+    std::vector<T> state(2 * H);
+    T* __restrict__ mx = state.data();  // per head: the running max, then 1 / total
+    T* __restrict__ tot = mx + H;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
       const int64_t* nb = col + e0;
+      const T* kdi = kd + i * HD;
+      // Logits, and the per-head max over the row's edges.
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t row = i * H + h;
-        T* al = alpha + e0 * H + h;
-        T* dt = dot + e0 * H + h;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (int64_t e = 0; e < deg; ++e) {
-          const T d = dot_keys(kd + row * D, ks + (nb[e] * H + h) * D, D);
-          dt[e * H] = d;
-          const T l = beta[h] * (s.use_abs ? std::abs(d) : d) +
-                      (bias ? bias[(e0 + e) * H + h] : T(0));
-          al[e * H] = l;
-          mx = l > mx ? l : mx;
+        mx[h] = -std::numeric_limits<T>::infinity();
+        tot[h] = 0;
+      }
+      for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
+        prefetch_row(ks + nb[e] * HD, HD);
+        prefetch_row(src + nb[e] * HB, HB);
+      }
+      for (int64_t e = 0; e < deg; ++e) {
+        const T* ksj = ks + nb[e] * HD;
+        T* __restrict__ al = alpha + (e0 + e) * H;
+        T* __restrict__ dt = dot + (e0 + e) * H;
+        const T* bi = bias ? bias + (e0 + e) * H : nullptr;
+        for (int64_t h = 0; h < H; ++h) {
+          const T d = dot_keys(kdi + h * D, ksj + h * D, D);
+          dt[h] = d;
+          const T l = beta[h] * (use_abs ? std::abs(d) : d) + (bi ? bi[h] : T(0));
+          al[h] = l;
+          mx[h] = l > mx[h] ? l : mx[h];
         }
-        T total = 0;
-        for (int64_t e = 0; e < deg; ++e) {
-          const T ex = std::exp(al[e * H] - mx);
-          al[e * H] = ex;
-          total += ex;
+      }
+      for (int64_t e = 0; e < deg; ++e) {
+        T* __restrict__ al = alpha + (e0 + e) * H;
+        for (int64_t h = 0; h < H; ++h) {
+          const T ex = std::exp(al[h] - mx[h]);
+          al[h] = ex;
+          tot[h] += ex;
         }
-        const T inv = T(1) / total;
-        for (int64_t e = 0; e < deg; ++e) al[e * H] *= inv;
-        T* yr = sum + row * blk;
-        weighted_rows<SCALED, T>(al, SCALED ? scale + e0 * H + h : nullptr, nb, deg, src, H,
-                                 h, blk, yr);
-        if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
+      }
+      for (int64_t h = 0; h < H; ++h) mx[h] = T(1) / tot[h];
+      const T* __restrict__ inv = mx;
+      // Normalise, and y_i = sum_e alpha_e (s_e) src_j over all heads at once.
+      T* __restrict__ yr = sum + i * HB;
+      for (int64_t c = 0; c < HB; ++c) yr[c] = 0;
+      for (int64_t e = 0; e < deg; ++e) {
+        T* __restrict__ al = alpha + (e0 + e) * H;
+        const T* __restrict__ sj = src + nb[e] * HB;
+        const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+        for (int64_t h = 0; h < H; ++h) {
+          const T a = al[h] * inv[h];
+          al[h] = a;
+          T w = a;
+          if constexpr (SCALED) w = a * sc[h];
+          T* __restrict__ yh = yr + h * blk;
+          const T* __restrict__ sh = sj + h * blk;
+          for (int64_t c = 0; c < blk; ++c) yh[c] += w * sh[c];
+        }
+      }
+      if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t row = i * H + h;
           block_matrix(qd + row * 4, Q);
-          apply_rows(Q, yr, z + row * blk, M, true);
+          apply_rows(Q, yr + h * blk, z + row * blk, M, true);
         }
       }
     }
@@ -215,74 +239,132 @@ struct Needs {
 };
 
 // Longer than the usual 80 lines on purpose: the two passes share one argument
-// list and pass B reads what pass A wrote (gy, gd); split, both halves would
+// list and pass B reads what pass A wrote (gy, wg); split, both halves would
 // take the same twenty pointers.
-template <bool SCALED, typename T>
+//
+// wg [E, 2, H]: what pass B needs of every edge, written by pass A in pass B's
+// (transposed, per source) order so that pass B streams it instead of
+// gathering two rows per edge at random: wg[p][0] = alpha (s) (when gu is
+// needed), wg[p][1] = dL/d<kd, ks> (when the keys' gradients are). pos_t [E]:
+// the transposed position of every sorted edge (the inverse of perm_t).
+template <bool SCALED, int BLK, int DK, typename T>
 void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
                    const T* v, const T* qs, const T* qd, const T* ks, const T* kd,
                    const T* beta, const T* scale, const int64_t* rowptr, const int64_t* col,
                    const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
-                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
-                   T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs, T* gks) {
-  const int64_t H = s.H, M = s.M, D = s.D, blk = M * 4;
+                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* wg,
+                   int64_t* pos_t, T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs,
+                   T* gks) {
+  const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
+  const int64_t HB = H * blk, HD = H * D;
   const T* src = s.rotate ? u : v;
   const T* gy = s.rotate ? gy_buf : gz;
-  // Pass A, per target row (i, h): gy = Q_i gz, softmax backward, logit
+  const bool use_abs = s.use_abs;
+  const bool need_u = need.v || (need.q && s.rotate);
+  const bool pass_b = need.v || need.q || need.k;
+  if (pass_b) {
+    at::parallel_for(0, s.E, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) pos_t[perm_t[p]] = p;
+    });
+  }
+  // Pass A, per target row i (all heads): gy = Q_i gz, softmax backward, logit
   // gradients, the target key's gradient and the target rotation's gradient.
   const int64_t row_work =
       H * (2 * blk + D + 32 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16], G[16];
+    std::vector<T> state(2 * H), ga_buf;
+    T* __restrict__ sa = state.data();
+    T* __restrict__ gb = sa + H;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
       const int64_t* nb = col + e0;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t row = i * H + h;
-        const T* g = gz + row * blk;
-        if (s.rotate) {
+      for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
+        prefetch_row(src + nb[e] * HB, HB);
+        if (need.k) prefetch_row(ks + nb[e] * HD, HD);
+      }
+      const T* g = gz + i * HB;
+      if (s.rotate) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t row = i * H + h;
           block_matrix(qd + row * 4, Q);
-          apply_rows(Q, g, gy_buf + row * blk, M, false);
+          apply_rows(Q, g + h * blk, gy_buf + row * blk, M, false);
         }
-        const T* gyr = gy + row * blk;
-        const T* al = alpha + e0 * H + h;
-        const T* dt = dot + e0 * H + h;
-        T* gdr = gd + e0 * H + h;
-        T sa = 0;
-        for (int64_t e = 0; e < deg; ++e) {  // ga (held in gd for now)
-          const T* uj = src + (nb[e] * H + h) * blk;
+      }
+      const T* __restrict__ gyr = gy + i * HB;
+      if (static_cast<int64_t>(ga_buf.size()) < deg * H) ga_buf.resize(deg * H);
+      T* __restrict__ gar = ga_buf.data();
+      for (int64_t h = 0; h < H; ++h) sa[h] = gb[h] = 0;
+      // ga = (s) <gy, u> + galpha; sa = sum_e alpha ga.
+      for (int64_t e = 0; e < deg; ++e) {
+        const T* __restrict__ uj = src + nb[e] * HB;
+        const T* __restrict__ al = alpha + (e0 + e) * H;
+        const T* ga = galpha ? galpha + (e0 + e) * H : nullptr;
+        const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+        for (int64_t h = 0; h < H; ++h) {
+          const T* __restrict__ gh = gyr + h * blk;
+          const T* __restrict__ uh = uj + h * blk;
           T acc;
           if constexpr (SCALED) {  // y = sum alpha s u  =>  ga = s <gy, u> + galpha
             T d = 0;
-            for (int64_t c = 0; c < blk; ++c) d += gyr[c] * uj[c];
-            acc = scale[(e0 + e) * H + h] * d + (galpha ? galpha[(e0 + e) * H + h] : T(0));
+            for (int64_t c = 0; c < blk; ++c) d += gh[c] * uh[c];
+            acc = sc[h] * d + (ga ? ga[h] : T(0));
           } else {
-            acc = galpha ? galpha[(e0 + e) * H + h] : T(0);
-            for (int64_t c = 0; c < blk; ++c) acc += gyr[c] * uj[c];
+            acc = ga ? ga[h] : T(0);
+            for (int64_t c = 0; c < blk; ++c) acc += gh[c] * uh[c];
           }
-          gdr[e * H] = acc;
-          sa += al[e * H] * acc;
+          gar[e * H + h] = acc;
+          sa[h] += al[h] * acc;
         }
-        T gb = 0;
-        for (int64_t e = 0; e < deg; ++e) {
-          const T gs = al[e * H] * (gdr[e * H] - sa);  // dL/dlogit
-          if (glogit) glogit[(e0 + e) * H + h] = gs;
-          const T d = dt[e * H];
-          gb += gs * (s.use_abs ? std::abs(d) : d);
+      }
+      // dL/dlogit, beta's and the keys' gradients; gkd_i = sum_e gd_e ks_j.
+      T* __restrict__ gk = need.k ? gkd + i * HD : nullptr;
+      if (need.k) {
+        for (int64_t c = 0; c < HD; ++c) gk[c] = 0;
+      }
+      for (int64_t e = 0; e < deg; ++e) {
+        const T* __restrict__ al = alpha + (e0 + e) * H;
+        const T* __restrict__ dt = dot + (e0 + e) * H;
+        T* __restrict__ gdr = gar + e * H;
+        T* gl = glogit ? glogit + (e0 + e) * H : nullptr;
+        for (int64_t h = 0; h < H; ++h) {
+          const T gs = al[h] * (gdr[h] - sa[h]);  // dL/dlogit
+          if (gl) gl[h] = gs;
+          const T d = dt[h];
+          gb[h] += gs * (use_abs ? std::abs(d) : d);
           T gdv = gs * beta[h];
-          if (s.use_abs) gdv *= T((d > 0) - (d < 0));
-          gdr[e * H] = gdv;
+          if (use_abs) gdv *= T((d > 0) - (d < 0));
+          gdr[h] = gdv;
         }
-        gbeta_part[row] = gb;
-        if (need.k) {
-          T* o = gkd + row * D;
-          for (int64_t c = 0; c < D; ++c) o[c] = 0;
-          for (int64_t e = 0; e < deg; ++e) {
-            const T* kj = ks + (nb[e] * H + h) * D;
-            for (int64_t c = 0; c < D; ++c) o[c] += gdr[e * H] * kj[c];
+        if (pass_b) {  // pass B's inputs, in its order
+          T* __restrict__ out = wg + pos_t[e0 + e] * 2 * H;
+          if (need_u) {
+            const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+            for (int64_t h = 0; h < H; ++h) {
+              if constexpr (SCALED) {
+                out[h] = al[h] * sc[h];
+              } else {
+                out[h] = al[h];
+              }
+            }
+          }
+          if (need.k) {
+            for (int64_t h = 0; h < H; ++h) out[H + h] = gdr[h];
           }
         }
-        if (need.q && s.rotate) {  // z = Q^T y  =>  dL/dQ = sum_m y_m gz_m^T
-          outer_rows(y + row * blk, g, M, G);
+        if (need.k) {
+          const T* __restrict__ ksj = ks + nb[e] * HD;
+          for (int64_t h = 0; h < H; ++h) {
+            const T gdv = gdr[h];
+            for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ksj[h * D + c];
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) gbeta_part[i * H + h] = gb[h];
+      if (need.q && s.rotate) {  // z = Q^T y  =>  dL/dQ = sum_m y_m gz_m^T
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t row = i * H + h;
+          outer_rows(y + row * blk, g + h * blk, M, G);
           T* o = gqd + row * 4;
           o[0] = o[1] = o[2] = o[3] = 0;
           add_block_matrix_grad(qd + row * 4, G, o);
@@ -290,56 +372,88 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       }
     }
   });
-  if (!need.v && !need.q && !need.k) return;
-  // Pass B, per source node j over its outgoing edges (transposed CSR).
+  if (!pass_b) return;
+  // Pass B, per source node j over its outgoing edges (transposed CSR), all
+  // heads of j at once: gu_j = sum_i alpha_ij (s_ij) gy_i, gks_j = sum_i gd_ij kd_i.
   const int64_t col_work =
       H * (blk + D) * std::max<int64_t>(s.E / std::max<int64_t>(s.Ns, 1), 1) + H * 32 * M;
   at::parallel_for(0, s.Ns, grain(col_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> gu(H * blk);
+    std::vector<T> gu_buf(need_u && s.rotate ? HB : 0);
     T Q[16], G[16];
     for (int64_t j = begin; j < end; ++j) {
-      const bool need_u = need.v || (need.q && s.rotate);
-      if (need_u) std::fill(gu.begin(), gu.end(), T(0));
+      const int64_t p0 = rowptr_t[j], p1 = rowptr_t[j + 1];
+      for (int64_t p = p0; p < p1; ++p) {  // the targets' rows, for the loop below
+        if (need_u) prefetch_row(gy + row_t[p] * HB, HB);
+        if (need.k) prefetch_row(kd + row_t[p] * HD, HD);
+      }
+      // Without rotation gv = gu: accumulate in place.
+      T* __restrict__ gu = s.rotate ? gu_buf.data() : (need.v ? gv + j * HB : nullptr);
+      T* __restrict__ gk = need.k ? gks + j * HD : nullptr;
+      if (need_u) {
+        for (int64_t c = 0; c < HB; ++c) gu[c] = 0;
+      }
       if (need.k) {
-        for (int64_t c = 0; c < H * D; ++c) gks[j * H * D + c] = 0;
+        for (int64_t c = 0; c < HD; ++c) gk[c] = 0;
       }
-      for (int64_t p = rowptr_t[j]; p < rowptr_t[j + 1]; ++p) {
-        const int64_t e = perm_t[p], i = row_t[p];
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t i = row_t[p];
+        const T* __restrict__ in = wg + p * 2 * H;
+        if (need_u) {
+          const T* __restrict__ gyi = gy + i * HB;
+          for (int64_t h = 0; h < H; ++h) {
+            const T a = in[h];
+            T* __restrict__ o = gu + h * blk;
+            const T* __restrict__ gh = gyi + h * blk;
+            for (int64_t c = 0; c < blk; ++c) o[c] += a * gh[c];
+          }
+        }
+        if (need.k) {
+          const T* __restrict__ ki = kd + i * HD;
+          for (int64_t h = 0; h < H; ++h) {
+            const T gdv = in[H + h];
+            for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ki[h * D + c];
+          }
+        }
+      }
+      if (s.rotate && need_u) {
         for (int64_t h = 0; h < H; ++h) {
-          if (need_u) {  // gu_j = sum_i alpha_ij (s_ij) gy_i
-            const T a = SCALED ? alpha[e * H + h] * scale[e * H + h] : alpha[e * H + h];
-            const T* gyr = gy + (i * H + h) * blk;
-            T* o = gu.data() + h * blk;
-            for (int64_t c = 0; c < blk; ++c) o[c] += a * gyr[c];
+          const int64_t r = j * H + h;
+          const T* gur = gu + h * blk;
+          block_matrix(qs + r * 4, Q);
+          if (need.v) apply_rows(Q, gur, gv + r * blk, M, true);  // u = Q v  =>  gv = Q^T gu
+          if (need.q) {  // u = Q v  =>  dL/dQ = sum_m gu_m v_m^T
+            outer_rows(gur, v + r * blk, M, G);
+            T* o = gqs + r * 4;
+            o[0] = o[1] = o[2] = o[3] = 0;
+            add_block_matrix_grad(qs + r * 4, G, o);
           }
-          if (need.k) {
-            const T gdv = gd[e * H + h];
-            const T* ki = kd + (i * H + h) * D;
-            T* o = gks + (j * H + h) * D;
-            for (int64_t c = 0; c < D; ++c) o[c] += gdv * ki[c];
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t r = j * H + h;
-        const T* gur = gu.data() + h * blk;
-        if (s.rotate && need_u) block_matrix(qs + r * 4, Q);
-        if (need.v) {  // u = Q v  =>  gv = Q^T gu
-          if (s.rotate) {
-            apply_rows(Q, gur, gv + r * blk, M, true);
-          } else {
-            std::copy(gur, gur + blk, gv + r * blk);
-          }
-        }
-        if (need.q && s.rotate) {  // u = Q v  =>  dL/dQ = sum_m gu_m v_m^T
-          outer_rows(gur, v + r * blk, M, G);
-          T* o = gqs + r * 4;
-          o[0] = o[1] = o[2] = o[3] = 0;
-          add_block_matrix_grad(qs + r * 4, G, o);
         }
       }
     }
   });
+}
+
+// Calls f(std::integral_constant<int, BLK>, std::integral_constant<int, DK>)
+// with the specialised widths of (blk, D), or 0 / -1 (read at run time).
+// Specialised: blk in {4, 8, 16, 32} (M = 1, 2, 4, 8: the paper's head layouts
+// 16x4, 8x8, 4x16, 2x32 of 64 channels) and D in {0, 4} (uniform routing,
+// quaternion keys).
+template <typename F>
+void with_widths(int64_t blk, int64_t D, F&& f) {
+  auto keys = [&](auto b) {
+    switch (D) {
+      case 0: return f(b, std::integral_constant<int, 0>{});
+      case 4: return f(b, std::integral_constant<int, 4>{});
+      default: return f(b, std::integral_constant<int, -1>{});
+    }
+  };
+  switch (blk) {
+    case 4: return keys(std::integral_constant<int, 4>{});
+    case 8: return keys(std::integral_constant<int, 8>{});
+    case 16: return keys(std::integral_constant<int, 16>{});
+    case 32: return keys(std::integral_constant<int, 32>{});
+    default: return keys(std::integral_constant<int, 0>{});
+  }
 }
 
 void check(const torch::Tensor& t, const char* name) {
@@ -411,19 +525,22 @@ std::vector<torch::Tensor> qsv_forward(torch::Tensor v, torch::Tensor qs, torch:
   auto alpha = torch::empty({E, s.H}, opts);
   auto dot = torch::empty({E, s.H}, opts);
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_forward", [&] {
-    auto run = [&](auto scaled_tag) {
-      forward_impl<decltype(scaled_tag)::value, scalar_t>(
+    auto run = [&](auto scaled_tag, auto blk_tag, auto key_tag) {
+      forward_impl<decltype(scaled_tag)::value, decltype(blk_tag)::value,
+                   decltype(key_tag)::value, scalar_t>(
           s, v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd),
           ptr_or_null<scalar_t>(ks), ptr_or_null<scalar_t>(kd), beta.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(scale), ptr_or_null<scalar_t>(bias),
           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y), z.data_ptr<scalar_t>(),
           alpha.data_ptr<scalar_t>(), dot.data_ptr<scalar_t>());
     };
-    if (scaled) {
-      run(std::true_type{});
-    } else {
-      run(std::false_type{});
-    }
+    with_widths(s.M * 4, s.D, [&](auto blk_tag, auto key_tag) {
+      if (scaled) {
+        run(std::true_type{}, blk_tag, key_tag);
+      } else {
+        run(std::false_type{}, blk_tag, key_tag);
+      }
+    });
   });
   return {z, alpha, u, y, dot};
 }
@@ -449,7 +566,9 @@ std::vector<torch::Tensor> qsv_backward(
     return need ? torch::empty(shape, opts) : torch::empty({0}, opts);
   };
   auto gy = maybe(rotate, {s.Nd, s.H, s.M, 4});
-  auto gd = torch::empty({E, s.H}, opts);
+  const bool pass_b = need_v || need.q || need.k;
+  auto wg = maybe(pass_b, {E, 2, s.H});
+  auto pos_t = pass_b ? torch::empty({E}, rowptr.options()) : torch::empty({0}, rowptr.options());
   auto glogit = maybe(need_bias, {E, s.H});
   auto gbeta_part = torch::empty({s.Nd, s.H}, opts);
   auto gqd = maybe(need.q, {s.Nd, s.H, 4});
@@ -458,8 +577,9 @@ std::vector<torch::Tensor> qsv_backward(
   auto gks = maybe(need.k, {s.Ns, s.H, s.D});
   auto gv = maybe(need_v, v.sizes().vec());
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "qsv_backward", [&] {
-    auto run = [&](auto scaled_tag) {
-      backward_impl<decltype(scaled_tag)::value, scalar_t>(
+    auto run = [&](auto scaled_tag, auto blk_tag, auto key_tag) {
+      backward_impl<decltype(scaled_tag)::value, decltype(blk_tag)::value,
+                    decltype(key_tag)::value, scalar_t>(
           s, need, gz.data_ptr<scalar_t>(),
           galpha.has_value() ? galpha->data_ptr<scalar_t>() : nullptr, v.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(qs), ptr_or_null<scalar_t>(qd), ptr_or_null<scalar_t>(ks),
@@ -467,16 +587,19 @@ std::vector<torch::Tensor> qsv_backward(
           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(),
           perm_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
           dot.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
-          ptr_or_null<scalar_t>(gy), gd.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(glogit),
+          ptr_or_null<scalar_t>(gy), ptr_or_null<scalar_t>(wg),
+          pos_t.numel() ? pos_t.data_ptr<int64_t>() : nullptr, ptr_or_null<scalar_t>(glogit),
           gbeta_part.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(gqd), ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv),
           ptr_or_null<scalar_t>(gqs), ptr_or_null<scalar_t>(gks));
     };
-    if (scaled) {
-      run(std::true_type{});
-    } else {
-      run(std::false_type{});
-    }
+    with_widths(s.M * 4, s.D, [&](auto blk_tag, auto key_tag) {
+      if (scaled) {
+        run(std::true_type{}, blk_tag, key_tag);
+      } else {
+        run(std::false_type{}, blk_tag, key_tag);
+      }
+    });
   });
   return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0), glogit};
 }
