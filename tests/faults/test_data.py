@@ -1,4 +1,7 @@
-"""Faults of the data loader (issue 14, items 14 and 15)."""
+"""Faults of the CIFAR data loader: pickle bombs (issue 14, item 14), empty and
+protocol-2 batch pickles (issue 23, item 11), failed downloads and corrupt local
+copies (issue 14, item 15). Download size caps and the progress bar: test_download.py.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -55,6 +58,54 @@ def test_ordinary_files_are_within_the_bound(tmp_path):
     """The bound must not refuse real files: labels as a list, filenames sharing one bytes."""
     write_tiny_cifar10(tmp_path, n_train=500, n_test=100)
     assert len(load_cifar("cifar10", "train", tmp_path)) == 500
+
+
+# ------------------------------------------ empty and protocol-2 pickles (issue 23, item 11)
+
+
+def rewrite_test_batch(root: Path, n: int, protocol: int) -> Path:
+    path = root / "cifar-10-batches-py" / "test_batch"
+    rng = np.random.default_rng(1)
+    batch = {b"batch_label": b"testing batch 1 of 1",
+             b"data": rng.integers(0, 256, size=(n, 3072), dtype=np.uint8),
+             b"labels": [int(i % 10) for i in range(n)],
+             b"filenames": [f"img{i}.png".encode() for i in range(n)]}
+    path.write_bytes(pickle.dumps(batch, protocol=protocol))
+    return path
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_empty_batch_is_reported_as_empty_not_corrupt(tmp_path, protocol):
+    write_tiny_cifar10(tmp_path, n_train=10, n_test=4)
+    rewrite_test_batch(tmp_path, 0, protocol)
+    with pytest.raises(DataError) as info:
+        load_cifar("cifar10", "test", tmp_path)
+    message = str(info.value)
+    assert "test_batch: the batch file is empty: 0 images" in message
+    assert "corrupt" not in message and "truncated" not in message
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_protocol_2_batch_reads_like_protocol_4(tmp_path, n):
+    loaded = {}
+    for protocol in (2, 4):
+        root = tmp_path / f"p{protocol}"
+        write_tiny_cifar10(root, n_train=10, n_test=4)
+        rewrite_test_batch(root, n, protocol)
+        loaded[protocol] = load_cifar("cifar10", "test", root)
+    assert len(loaded[2]) == len(loaded[4]) == n
+    assert (loaded[2].images == loaded[4].images).all()
+    assert (loaded[2].labels == loaded[4].labels).all()
+
+
+def test_protocol_2_bytes_call_with_arguments_is_still_refused(tmp_path):
+    """Allowing ``bytes()`` for empty buffers must not let a tiny file allocate memory."""
+    write_tiny_cifar10(tmp_path, n_train=10, n_test=4)
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    # protocol 2: bytes(10**9) as GLOBAL + BININT + TUPLE1 + REDUCE
+    path.write_bytes(b"\x80\x02c__builtin__\nbytes\nJ\x00\xca\x9a\x3b\x85R.")
+    with pytest.raises(DataError, match="refusing to call builtins.bytes"):
+        load_cifar("cifar10", "test", tmp_path)
 
 
 # --------------------------------------------------------------------------- 15. download
