@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor
@@ -195,3 +197,26 @@ def impl(request, monkeypatch):
     elif cpu_ext.cpu_kernel() is None:
         pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
     return request.param
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module, loaded by path (tests put no
+    other folder on ``sys.path``; a benchmark script puts its own folder there for
+    its siblings). Registered under its plain name, so a script that imports
+    another (``from bench_conv import ...``) gets this same module."""
+    import importlib.util
+    import sys
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

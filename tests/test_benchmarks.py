@@ -1,17 +1,15 @@
 """Smoke tests of the benchmark scripts: tiny sizes, no timing assertions."""
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)
+from conftest import BENCHMARKS, load_benchmark
 
-import bench_conv  # noqa: E402
-import common  # noqa: E402
-import summarize  # noqa: E402
+BENCH = str(BENCHMARKS)
+bench_conv = load_benchmark("bench_conv")
+common = load_benchmark("common")
+summarize = load_benchmark("summarize")
 
 
 def test_interleaved_timing_runs_round_robin():

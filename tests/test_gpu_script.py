@@ -12,16 +12,16 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-import gpu_report  # noqa: E402
+from conftest import load_benchmark  # noqa: E402
+
+gpu_report = load_benchmark("gpu_report")
 
 EXPECTED = {
     "warmup": ["gpu-info", "warmup", "conv-fp32", "conv-bf16", "cuda-tests", "triton-tests",
@@ -119,7 +119,7 @@ def test_each_phase_starts_by_warming_up(dry_run):
 def test_the_warm_up_covers_what_the_steps_run(dry_run):
     """gpu_warmup.py's configurations are run_gpu.sh's: the conv layers, channels
     and heads, the trained models and their batch size."""
-    import gpu_warmup
+    gpu_warmup = load_benchmark("gpu_warmup")
 
     steps = {name: cmd for name, _, cmd in _steps(dry_run[1])}
 

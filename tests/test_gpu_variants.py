@@ -4,14 +4,13 @@ bench_conv's QSV layers, and the CIFAR model's batch-as-channels tiles in the
 slow test); ``python3 benchmarks/gpu_warmup.py --compile-sm90`` compiles all."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import gpu_warmup  # noqa: E402
+from conftest import load_benchmark  # noqa: E402
+
+gpu_warmup = load_benchmark("gpu_warmup")
 
 
 def _compile_all(variants):

@@ -27,17 +27,16 @@ to None before the step), printed by the test:
 from __future__ import annotations
 
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import gpu_warmup  # noqa: E402
-from bench_conv import make_layer  # noqa: E402
+from conftest import load_benchmark  # noqa: E402
+
+gpu_warmup = load_benchmark("gpu_warmup")
+make_layer = load_benchmark("bench_conv").make_layer
 
 from qsv_pyg.nn import triton_kernel as tk  # noqa: E402
 

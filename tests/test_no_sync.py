@@ -42,7 +42,6 @@ from qsv_pyg.training.config import TrainConfig
 from qsv_pyg.training.distributed import DistInfo
 from qsv_pyg.training.state import LoopState
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 
 # Small models (tests/test_models.py SMALL): a whole epoch takes a second or so.

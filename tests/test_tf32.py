@@ -1,8 +1,6 @@
 """--tf32: an explicit option (off by default), applied on CUDA only."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +9,6 @@ from qsv_pyg.training import setup
 from qsv_pyg.training.cli import build_parser, config_from_args, main
 from qsv_pyg.training.config import TrainConfig, resume_overridable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 
 CUDA = torch.device("cuda", 0)

@@ -10,7 +10,6 @@ import os
 import runpy
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -439,13 +438,9 @@ def test_bench_tu_times_rows_side_by_side(tu, cache, tmp_path, capsys):
     """benchmarks/bench_tu.py: the table's rows (GAT as the anchor, added when not
     asked for) on MUTAG, one JSON, summarised by summarize.py."""
     import json
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        bench_tu = importlib.import_module("bench_tu")
-        summarize = importlib.import_module("summarize")
-    finally:
-        sys.path.remove(str(bench))
+    from conftest import load_benchmark
+    bench_tu = load_benchmark("bench_tu")
+    summarize = load_benchmark("summarize")
     out = tmp_path / "bench_tu.json"
     payload = bench_tu.main(["--datasets", "MUTAG", "--rows", "QSV", "--quick",
                              "--data-dir", str(DATA_ROOT), "--cache-root", str(cache),

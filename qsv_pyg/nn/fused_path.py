@@ -54,6 +54,9 @@ def _from_dense_path(value: str, stacklevel: int = 3) -> str:
 
 #: The aggregations of :meth:`QSVConv.choose_path`.
 PATHS = ("attend_shared", "attend_per_item", "message_passing")
+#: QSVConv's ``routing`` values; each gets its logit in :meth:`FusedPathMixin._routing_keys`
+#: (keys, or the additive term of :meth:`~qsv_pyg.nn.edge_features.EdgeFeaturesMixin._edge_logit`).
+ROUTINGS = ("learned", "abs", "uniform", "geometric")
 # PyG's per-step hooks, which only message passing runs. PyG registers them
 # through public methods (``register_message_forward_hook`` ...) but has no
 # public way to ask for them: these are the dictionaries those methods fill

@@ -41,6 +41,7 @@ from .fused_path import (  # noqa: F401 (DENSE_PATHS, FUSED_PATHS, PATHS: import
     DENSE_PATHS,
     FUSED_PATHS,
     PATHS,
+    ROUTINGS,
     FusedPathMixin,
     _from_dense_path,
     _fused_path,
@@ -53,7 +54,6 @@ if typing.TYPE_CHECKING:
 else:
     from torch.jit import _overload_method as overload
 
-ROUTINGS = ("learned", "abs", "uniform", "geometric")
 TRANSPORTS = ("sandwich", "identity")
 
 

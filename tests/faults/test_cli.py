@@ -8,12 +8,10 @@ traceback; ``--debug`` shows the traceback), 15 (``--download-url``).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
 from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
 from tiny_cifar import write_tiny_cifar10  # noqa: E402
 

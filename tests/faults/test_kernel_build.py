@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
 from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 

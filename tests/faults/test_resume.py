@@ -10,14 +10,12 @@ that cannot be written leaves ``log.jsonl`` at the last checkpoint.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_cifar
 
 from tiny_cifar import TINY_QSV, write_tiny_cifar10  # noqa: E402
 
