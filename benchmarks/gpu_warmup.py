@@ -64,6 +64,10 @@ KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols", "uni
            "unit_rows_backward")
 
 Variant = Tuple[str, Tuple[Tuple[str, str], ...], Tuple[Tuple[str, object], ...]]
+#: Keyword arguments of a launch that are compile options, not constexprs: they
+#: are part of a variant (a kernel compiled with 2 warps is another binary than
+#: with 4) and are passed to the compiler as options.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 def _autocast(device: torch.device, precision: str):
@@ -245,11 +249,15 @@ def compile_sm90(variant: Variant) -> int:
     fn = getattr(tk._kernels(False), name)
     if type(fn).__name__ == "InterpretedFunction":
         raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported")
+    options = {k: v for k, v in consts if k in LAUNCH_OPTIONS}
     constexprs = {k: (tl.dtype(v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
-                  for k, v in consts}
+                  for k, v in consts if k not in LAUNCH_OPTIONS}
     signature = {**dict(sig), **{k: "constexpr" for k in constexprs}}
     binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32))
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    if "num_warps" in options and binary.metadata.num_warps != options["num_warps"]:
+        raise RuntimeError(f"{name}: compiled with {binary.metadata.num_warps} warps, "
+                           f"launched with {options['num_warps']}")
     return len(binary.asm["cubin"])
 
 

@@ -30,6 +30,9 @@ def test_conv_benchmark_variants_compile_for_sm90():
     kernels = {v[0] for v in variants}
     assert kernels == set(gpu_warmup.KERNELS), kernels  # all four, with and without dq/dk
     assert len(variants) >= 6
+    # issue 32 item 8b: the warps are chosen per tile, recorded with the variant
+    # (a compile option, not a constexpr: compile_sm90 passes it as one)
+    assert all(dict(v[2]).get("num_warps") in (1, 2, 4, 8) for v in variants), variants
     one_each = {}
     for v in variants:  # one variant of each kernel: the feature-quaternion layer's
         if v[0] not in one_each or dict(v[2]).get("NEED_Q"):

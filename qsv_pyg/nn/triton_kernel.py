@@ -145,6 +145,22 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+#: Blocks of four channels per warp a program's tile is given (issue 32 item 8b).
+BLOCKS_PER_WARP = 128
+MAX_WARPS = 8
+
+
+def num_warps_for(tile: int) -> int:
+    """Warps of a program whose tile holds ``tile`` blocks of four channels (or
+    quaternions) per step: one per :data:`BLOCKS_PER_WARP` blocks, a power of
+    two between 1 and :data:`MAX_WARPS` (small tiles, few channels and heads,
+    take one or two warps rather than a fixed four, so more programs fit on a
+    multiprocessor and no warp idles on masked lanes; the widest, 1024-block
+    tiles eight). A heuristic: not yet timed on a GPU."""
+    tile = max(int(tile), 1)
+    return max(1, min(MAX_WARPS, _pow2(-(-tile // BLOCKS_PER_WARP))))
+
+
 class _Setup:
     """Kernel module, accumulation type and tile sizes for one call."""
 
@@ -161,6 +177,7 @@ class _Setup:
         self.BH = max(1, min(_pow2(self.H), 64 // self.BM))
         self.BE = max(1, min(BLOCK_E, 1024 // (self.BH * self.BM)))
         self.head_tiles = -(-self.H // self.BH)
+        self.warps = num_warps_for(self.BE * self.BH * self.BM)
 
 
 def _on_device(launch):
@@ -261,14 +278,15 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
     if rotate and Ns:
         rows, BR = Ns * s.H, max(1, 256 // s.BM)
         s.k.rotate_rows[(-(-rows // BR), )](v, qs, u, rows, s.M, TRANSPOSE=False, ACC=s.acc,
-                                            BR=BR, BM=s.BM)
+                                            BR=BR, BM=s.BM,
+                                            num_warps=num_warps_for(BR * s.BM))
     if Nd:
         s.k.forward_rows[(Nd, s.head_tiles)](
             u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v), beta,
             _nonempty(scale, v), _nonempty(bias, v), rowptr, col, _nonempty(y, z), z,
             _nonempty(alpha, z), _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs,
             ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled, HAS_BIAS=biased, ACC=s.acc,
-            BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD)
+            BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD, num_warps=s.warps)
     return z, alpha, u, y, dot
 
 
@@ -333,7 +351,7 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
             _nonempty(gkd, v), s.H, s.M, s.D, gz_sn, gz_sh, USE_ABS=use_abs, ROTATE=rotate,
             HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None, HAS_SCALE=scaled,
             NEED_Q=need_q, NEED_K=need_k, NEED_BIAS=need_bias, ACC=s.acc, BE=s.BE, BH=s.BH,
-            BM=s.BM, BD=s.BD)
+            BM=s.BM, BD=s.BD, num_warps=s.warps)
     need_u = need_v or need_q
     if Ns and (need_u or need_k):
         s.k.backward_cols[(Ns, s.head_tiles)](
@@ -344,7 +362,7 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
             s.M, s.D, gz_sn if Nd else 0, gz_sh if Nd else 0, ROTATE=rotate,
             HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v, NEED_Q=need_q, NEED_K=need_k,
             SUM_QD=sum_q, SUM_KD=sum_k, KEYS_INTO_Q=keys_q, ACC=s.acc, BE=s.BE, BH=s.BH,
-            BM=s.BM, BD=s.BD)
+            BM=s.BM, BD=s.BD, num_warps=s.warps)
     gbeta = gbeta_part.sum(0).to(beta.dtype)
     if need_bias and not Nd:
         gbias.zero_()
@@ -375,7 +393,8 @@ def unit_quaternion(q: Tensor, eps: float) -> Tensor:
         k = _kernels(q.device.type != "cuda" or mode() == "interpret")
         k.unit_rows[(-(-rows // UNIT_ROWS), )](
             qc, out, rows, EPS=float(eps),
-            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS)
+            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS,
+            num_warps=num_warps_for(UNIT_ROWS))
     return out
 
 
@@ -390,5 +409,6 @@ def unit_quaternion_backward(q: Tensor, grad: Tensor, eps: float) -> Tensor:
         k = _kernels(q.device.type != "cuda" or mode() == "interpret")
         k.unit_rows_backward[(-(-rows // UNIT_ROWS), )](
             qc, gc, out, rows, EPS=float(eps),
-            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS)
+            ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, BR=UNIT_ROWS,
+            num_warps=num_warps_for(UNIT_ROWS))
     return out
