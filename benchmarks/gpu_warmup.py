@@ -240,6 +240,14 @@ def record_variants(which: Optional[List[str]] = None,
 # ---------------------------------------------------------------- sm_90
 def compile_sm90(variant: Variant) -> int:
     """Compile one variant for Hopper (sm_90) without a GPU; returns the cubin's size."""
+    return len(build_sm90(variant).asm["cubin"])
+
+
+def build_sm90(variant: Variant, aligned: bool = False):
+    """The compiled kernel of one variant for sm_90. ``aligned``: every pointer
+    argument specialised as 16-byte aligned, as Triton does at launch for
+    freshly allocated tensors (what lets it vectorise loads: the PTX then shows
+    ``ld.global.v4``); without, the most general binary."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -253,12 +261,15 @@ def compile_sm90(variant: Variant) -> int:
     constexprs = {k: (tl.dtype(v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
                   for k, v in consts if k not in LAUNCH_OPTIONS}
     signature = {**dict(sig), **{k: "constexpr" for k in constexprs}}
-    binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, (_, d) in enumerate(sig)
+             if d.startswith("*")} if aligned else None
+    binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                      attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     if "num_warps" in options and binary.metadata.num_warps != options["num_warps"]:
         raise RuntimeError(f"{name}: compiled with {binary.metadata.num_warps} warps, "
                            f"launched with {options['num_warps']}")
-    return len(binary.asm["cubin"])
+    return binary
 
 
 def describe(variant: Variant) -> str:

@@ -40,6 +40,28 @@ def test_conv_benchmark_variants_compile_for_sm90():
     _compile_all(one_each.values())
 
 
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_blocks_of_four_are_read_as_vectors():
+    """Issue 32 item 8a: a block of four channels (and a quaternion) is loaded as
+    one ``[..., 4]`` tile, so with aligned tensors (Triton specialises pointers on
+    16-byte alignment at launch) the features, gradients and quaternions are read
+    with 16-byte vector loads (``ld.global.v4``) rather than four scalar ones."""
+    import re
+    variants = gpu_warmup.record_variants(["conv qsv fp32"], precisions=("fp32", ))
+    one_each = {}
+    for v in variants:
+        one_each.setdefault(v[0], v)
+    for name in ("rotate_rows", "forward_rows", "backward_rows", "backward_cols",
+                 "unit_rows"):
+        try:
+            ptx = gpu_warmup.build_sm90(one_each[name], aligned=True).asm["ptx"]
+        except RuntimeError as exc:
+            if "TRITON_INTERPRET" in str(exc) or "ptxas" in str(exc).lower():
+                pytest.skip(f"cannot compile for sm_90 here: {exc!s:.200}")
+            raise
+        assert re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx), name
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_cifar_model_variants_compile_for_sm90():
