@@ -220,3 +220,24 @@ def load_benchmark(name: str):
         del sys.modules[name]
         raise
     return module
+
+
+def random_qsv_conv(in_channels, out_channels, heads, seed, dtype, **kwargs):
+    """A QSVConv in eval mode with every parameter randomised from ``seed`` (non-zero
+    bias, feature quaternions far from the identity, β_h of different sizes per
+    head); lazy parameters stay uninitialised."""
+    from torch.nn.parameter import UninitializedParameter
+
+    from qsv_pyg.nn import QSVConv
+    torch.manual_seed(seed)
+    conv = QSVConv(in_channels, out_channels, heads=heads, **kwargs)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in conv.named_parameters():
+            if isinstance(p, UninitializedParameter):
+                continue
+            if name == "log_beta":
+                p.copy_(0.3 + 0.6 * torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return conv.to(dtype).eval()

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.parameter import UninitializedParameter
+from conftest import random_qsv_conv
 
 import qsv_pyg.nn.fused_path as fused_path_module
 import torch_geometric.typing
@@ -27,18 +27,7 @@ def gen(seed):
 
 def make(in_channels, out_channels=3, heads=2, seed=0, dtype=torch.float64, **kwargs):
     """A layer in eval mode with every parameter randomised (β_h differing per head)."""
-    torch.manual_seed(seed)
-    conv = QSVConv(in_channels, out_channels, heads=heads, **kwargs)
-    g = gen(seed + 1000)
-    with torch.no_grad():
-        for name, p in conv.named_parameters():
-            if isinstance(p, UninitializedParameter):
-                continue
-            if name == "log_beta":
-                p.copy_(0.3 + 0.6 * torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return conv.to(dtype).eval()
+    return random_qsv_conv(in_channels, out_channels, heads, seed, dtype, **kwargs)
 
 
 def edges(n_src, num_edges, seed, n_dst=None):

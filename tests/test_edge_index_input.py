@@ -5,11 +5,10 @@ outputs, gradients and attention weights equal the plain-tensor path's for the
 same edges (edge features and weights in the EdgeIndex's edge order)."""
 import pytest
 import torch
-from torch.nn.parameter import UninitializedParameter
+from conftest import random_qsv_conv
 from torch_geometric import EdgeIndex
 
 import torch_geometric.utils
-from qsv_pyg.nn import QSVConv
 from qsv_pyg.nn import csr as csr_module
 from qsv_pyg.nn.csr import build_csr, cache_info, clear_cache, edge_index_csr
 from qsv_pyg.quaternion import random_unit_quaternion
@@ -26,18 +25,7 @@ def gen(seed):
 
 
 def make(in_channels=8, out_channels=3, heads=2, seed=0, **kwargs):
-    torch.manual_seed(seed)
-    conv = QSVConv(in_channels, out_channels, heads=heads, **kwargs)
-    g = gen(seed + 1000)
-    with torch.no_grad():
-        for name, p in conv.named_parameters():
-            if isinstance(p, UninitializedParameter):
-                continue
-            if name == "log_beta":
-                p.copy_(0.3 + 0.6 * torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return conv.double().eval()
+    return random_qsv_conv(in_channels, out_channels, heads, seed, torch.float64, **kwargs)
 
 
 def edges(n_src, num_edges, seed, n_dst=None):

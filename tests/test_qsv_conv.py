@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import random_qsv_conv
 from torch.nn.parameter import UninitializedParameter
 
 from qsv_pyg.nn import QSVConv, graph_csr, qsv_conv_reference, unit_quaternion
@@ -34,18 +35,7 @@ def make_conv(in_channels, out_channels=5, heads=1, dtype=torch.float32, seed=0,
               **kwargs):
     """A layer in eval mode with every parameter randomised (non-zero bias, feature
     quaternions far from the identity, β_h of different sizes per head)."""
-    torch.manual_seed(seed)
-    conv = QSVConv(in_channels, out_channels, heads=heads, **kwargs)
-    g = gen(seed + 1000)
-    with torch.no_grad():
-        for name, p in conv.named_parameters():
-            if isinstance(p, UninitializedParameter):
-                continue
-            if name == "log_beta":
-                p.copy_(0.3 + 0.6 * torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return conv.to(dtype).eval()
+    return random_qsv_conv(in_channels, out_channels, heads, seed, dtype, **kwargs)
 
 
 def inputs(num_nodes, channels, heads, dtype=torch.float32, seed=0, batch=None):
