@@ -321,7 +321,10 @@ def main(argv=None) -> dict:
             f"{row['layers'][name][mem_key]:.1f}" if name in row["layers"] else "-"
             for name in layers]) + " |")
 
-    payload = {"args": vars(args), "machine": machine_info(device), "results": rows}
+    from qsv_pyg.nn import triton_kernel
+    # the Triton row kernels' tuned launch configurations (issue 32 item 8d), if any
+    payload = {"args": vars(args), "machine": machine_info(device), "results": rows,
+               "triton_tuned": triton_kernel.tuned()}
     write_json(args.out, payload)
     print(f"\nwrote {args.out}")
     if args.plot:

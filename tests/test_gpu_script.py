@@ -138,6 +138,7 @@ def test_the_warm_up_covers_what_the_steps_run(dry_run):
     assert set(gpu_warmup.CONV_LAYERS) == {x for x in layers if x.startswith("qsv")}
     assert int(flag(conv, "--channels", ["64"])[0]) == gpu_warmup.CONV_CHANNELS
     assert int(flag(conv, "--heads", ["4"])[0]) == gpu_warmup.CONV_HEADS
+    assert tuple(int(k) for k in flag(conv, "--ks")) == gpu_warmup.CONV_KS
     for name in ("train-eager-fp32", "train-eager-bf16"):
         assert tuple(flag(steps[name], "--models")) == gpu_warmup.TRAIN_MODELS
     for name in ("train-eager-fp32", "train-compiled-fp32", "train-compiled-bf16"):

@@ -175,6 +175,56 @@ def test_variants_match_the_literal_formula(variant):
     assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
 
 
+#: Launch configurations (edges per step, rows per program, warps): the
+#: heuristic one, shorter steps, several rows per program (3: rows past the
+#: last in a partly filled program; 4: the largest the tuner tries).
+CONFIGS = [(16, 1, 1), (4, 2, 1), (2, 3, 2), (8, 4, 1)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "BE%d-T%d-w%d" % c)
+@pytest.mark.parametrize("variant", ["learned", "abs-no-transport"])
+def test_every_launch_configuration_matches_the_literal_formula(variant, config,
+                                                                monkeypatch):
+    """Issue 32 item 8c/d: each configuration the tuner may pick, forward and
+    every gradient, float32 to 1e-5, on a bipartite graph whose 7 targets and
+    5 sources leave the last program part-empty, with an isolated target and
+    rows longer than a step (a scale and an edge logit on)."""
+    monkeypatch.setattr(tk, "candidates", lambda s, degree: [tk.Config(*config)])
+    D, use_abs, rot = VARIANTS[variant]
+    n_src, n_dst, H, M = 5, 7, 2, 1
+    ei = random_graph(n_src, n_dst, 30, seed=50, isolated=(3, ))
+    inputs = make_inputs(n_src, n_dst, H, M, D, rot, seed=51)
+    got, want = run_both(inputs, ei, build_csr(ei, n_src, n_dst), n_dst, use_abs, seed=52,
+                         scale=torch.rand(30, H, generator=gen(53), dtype=torch.float64),
+                         bias=torch.randn(30, H, generator=gen(54), dtype=torch.float64))
+    assert_all_close(got, want, **TOL32)
+    assert torch.equal(got[0][3], torch.zeros_like(got[0][3]))
+
+
+def test_tuned_launch_matches_the_untuned_one(monkeypatch):
+    """With tuning on (``QSV_PYG_AUTOTUNE=1`` takes the interpreter too) every
+    candidate runs on the call's own buffers before the chosen one: the result
+    is the untuned one, and the choice is remembered per key."""
+    monkeypatch.setattr(tk, "TUNED", {})
+    monkeypatch.setattr(tk, "TIMINGS", {})
+    monkeypatch.setattr(tk, "TUNE_REPEATS", 1)
+    n_src, n_dst, H, M = 6, 6, 2, 1
+    ei = random_graph(n_src, n_dst, 24, seed=55)
+    inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=56)
+    graph = build_csr(ei, n_src, n_dst)
+    monkeypatch.setenv(tk.AUTOTUNE_ENV, "0")
+    untuned, _ = run_both(inputs, ei, graph, n_dst, False, seed=57)
+    assert not tk.TUNED
+    monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
+    tuned, want = run_both(inputs, ei, graph, n_dst, False, seed=57)
+    assert {key[0] for key in tk.TUNED} == {"forward_rows", "backward_rows", "backward_cols"}
+    for a, b in zip(tuned, untuned):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert_all_close(tuned, want, **TOL32)
+    rows = tk.tuned()
+    assert len(rows) == 3 and all(len(r["timings_us"]) >= 2 for r in rows)
+
+
 @pytest.mark.parametrize("variant", ["learned", "uniform", "abs-no-transport"])
 def test_edge_logit_matches_the_literal_formula(variant):
     """The additive logit term b_ij on the Triton kernels: forward, every
@@ -469,7 +519,7 @@ def test_kernels_compile_for_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a
     Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage of the
     features (quaternions, keys, β and weights float32), int32 indices, every
-    feature on (the other flag combinations compile too), the gradient sums of
+    feature on, two rows per program (the other flag combinations compile too), the gradient sums of
     shared inputs, the unit-quaternion kernels."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -481,22 +531,24 @@ def test_kernels_compile_for_a_gpu():
     f, i, a = "*bf16", "*i32", "*fp32"
     dims = dict(H="i32", M="i32", D="i32")
     strides = dict(gz_sn="i32", gz_sh="i32")
-    blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4)
+    rows = dict(N="i32")  # the row count: programs own TARGETS rows each
+    blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4, TARGETS=2)
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
         (k.forward_rows, dict(src=f, qd=a, ks=a, kd=a, beta=a, scale=a, bias=a, rowptr=i,
-                              col=i, y_out=f, z_out=f, alpha_out=a, dot_out=a, **dims),
+                              col=i, y_out=f, z_out=f, alpha_out=a, dot_out=a, **dims,
+                              **rows),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_SCALE=True, HAS_BIAS=True,
               **blocks)),
         (k.backward_rows, dict(gz=f, galpha=a, src=f, qd=a, ks=a, kd=a, beta=a, scale=a,
                                rowptr=i, col=i, alpha=a, y=f, ga_buf=a, gd=a, glogit=a,
-                               gbeta_part=a, gqd=a, gkd=a, **dims, **strides),
+                               gbeta_part=a, gqd=a, gkd=a, **dims, **strides, **rows),
          dict(USE_ABS=True, ROTATE=True, HAS_KEYS=True, HAS_GALPHA=True, HAS_SCALE=True,
               NEED_Q=True, NEED_K=True, NEED_BIAS=True, **blocks)),
         (k.backward_cols, dict(gz=f, v=f, qs=a, qd=a, kd=a, alpha=a, scale=a, gd=a,
                                rowptr_t=i, perm_t=i, row_t=i, gv=f, gqs=a, gks=a, gqd=a,
-                               gkd=a, **dims, **strides),
+                               gkd=a, **dims, **strides, **rows),
          dict(ROTATE=True, HAS_SCALE=True, NEED_U=True, NEED_V=True, NEED_Q=True,
               NEED_K=True, SUM_QD=True, SUM_KD=True, KEYS_INTO_Q=True, **blocks)),
         (k.unit_rows, dict(q=a, out=a, R="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=256)),

@@ -8,9 +8,12 @@ tensors in the tests).
 Layout (all contiguous; the features of one node and head are ``M`` blocks of
 four channels):
 
-* every program owns one node (grid axis 0: a target for the forward and
-  backward pass A, a source for backward pass B) and a tile of ``BH`` heads
-  (grid axis 1); it walks that node's CSR row ``BE`` edges at a time;
+* every program owns ``TARGETS`` consecutive nodes (grid axis 0: targets for
+  the forward and backward pass A, sources for backward pass B; ``N`` nodes in
+  all, rows past the last are masked) and a tile of ``BH`` heads (grid axis
+  1); it walks each of its nodes' CSR rows ``BE`` edges at a time, one row
+  after the other (``tl.static_range``: the loads of one row overlap the
+  previous row's arithmetic, issue 32 item 8c);
 * a feature tile is held as its four quaternion components, ``[BE, BH, BM]``
   each (component ``c`` of block ``m`` sits at offset ``4 m + c``), so the
   rotations :math:`Q = \mathrm{diag}(1, R(q))` are sixteen multiply-adds on
@@ -134,25 +137,19 @@ def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
 
 
 @triton.jit
-def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, alpha_out,
-                 dot_out, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out,
+                 alpha_out, dot_out, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
                  HAS_KEYS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
                  BD: tl.constexpr):
-    """One target ``i`` and ``BH`` heads: logits (plus the additive term
-    ``bias`` when ``HAS_BIAS``), online softmax (running max
-    and sum) and the weighted sum of the (rotated) sources in one walk over
-    the row (each weight times the edge's ``scale`` when ``HAS_SCALE``; the
-    softmax's sum is not scaled); ``z = Q_i^T y``; then a walk over the row's
-    ``[deg, BH]`` logits only, to write the normalised (unscaled) weights."""
-    i = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
-    hm = offs_h < H
+    hm = offs_h < tl.where(valid, H, 0)  # no head of a row past the last
     mm = offs_m < M
-    start = tl.load(rowptr + i).to(tl.int64)
-    end = tl.load(rowptr + i + 1).to(tl.int64)
+    # a row past the last (i >= N, masked by valid) reads rowptr[N] twice: empty
+    start = tl.load(rowptr + tl.where(valid, i, N)).to(tl.int64)
+    end = tl.load(rowptr + tl.where(valid, i + 1, N)).to(tl.int64)
     b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
     hd = hm[:, None] & (offs_d < D)[None, :]
     kdi = tl.full([BH, BD], 0, ACC)
@@ -244,28 +241,41 @@ def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, 
 
 
 @triton.jit
-def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, ga_buf,
-                  gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
-                  USE_ABS: tl.constexpr,
-                  ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr, NEED_K: tl.constexpr,
-                  NEED_BIAS: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
-                  BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """Pass A, one target ``i`` and ``BH`` heads: ``gy = Q_i gz``, the softmax
-    backward (``ga = s <gy_i, u_j> + galpha`` parked in ``ga_buf`` by the first
-    walk over the row, read by the second, which writes the logit gradient
-    ``gs`` to ``glogit`` when ``NEED_BIAS`` and the key-product gradient to
-    ``gd``: no walk reads and writes one buffer, so no thread can read an entry
-    another has already overwritten), the per-target part of d beta, d kd_i
-    and d qd_i."""
-    i = tl.program_id(0).to(tl.int64)
+def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, alpha_out,
+                 dot_out, H, M, D, N, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                 HAS_KEYS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                 BD: tl.constexpr, TARGETS: tl.constexpr):
+    """One target ``i`` and ``BH`` heads: logits (plus the additive term
+    ``bias`` when ``HAS_BIAS``), online softmax (running max
+    and sum) and the weighted sum of the (rotated) sources in one walk over
+    the row (each weight times the edge's ``scale`` when ``HAS_SCALE``; the
+    softmax's sum is not scaled); ``z = Q_i^T y``; then a walk over the row's
+    ``[deg, BH]`` logits only, to write the normalised (unscaled) weights.
+
+    ``TARGETS`` consecutive targets per program (issue 32 item 8c; rows ``>= N`` masked)."""
+    for t in tl.static_range(TARGETS):
+        i = tl.program_id(0).to(tl.int64) * TARGETS + t
+        _forward_row(i, i < N, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out,
+                     alpha_out, dot_out, H, M, D, USE_ABS, ROTATE, HAS_KEYS, HAS_SCALE,
+                     HAS_BIAS, ACC, BE, BH, BM, BD)
+
+
+@triton.jit
+def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
+                  ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
+                  USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
+                  HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr,
+                  NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
-    hm = offs_h < H
+    hm = offs_h < tl.where(valid, H, 0)  # no head of a row past the last
     mm = offs_m < M
-    start = tl.load(rowptr + i).to(tl.int64)
-    end = tl.load(rowptr + i + 1).to(tl.int64)
+    # a row past the last (i >= N, masked by valid) reads rowptr[N] twice: empty
+    start = tl.load(rowptr + tl.where(valid, i, N)).to(tl.int64)
+    end = tl.load(rowptr + tl.where(valid, i + 1, N)).to(tl.int64)
     off_i = i * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
     mask_i = hm[:, None] & mm[None, :]
     # gz may be strided over nodes and heads (the transposed gradient of the
@@ -340,32 +350,46 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
 
 
 @triton.jit
-def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gqs, gks,
-                  gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE: tl.constexpr,
+def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y, ga_buf,
+                  gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, N,
+                  USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
+                  HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr,
+                  NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                  TARGETS: tl.constexpr):
+    """Pass A, one target ``i`` and ``BH`` heads: ``gy = Q_i gz``, the softmax
+    backward (``ga = s <gy_i, u_j> + galpha`` parked in ``ga_buf`` by the first
+    walk over the row, read by the second, which writes the logit gradient
+    ``gs`` to ``glogit`` when ``NEED_BIAS`` and the key-product gradient to
+    ``gd``: no walk reads and writes one buffer, so no thread can read an entry
+    another has already overwritten), the per-target part of d beta, d kd_i
+    and d qd_i.
+
+    ``TARGETS`` consecutive targets per program (issue 32 item 8c; rows ``>= N`` masked)."""
+    for t in tl.static_range(TARGETS):
+        i = tl.program_id(0).to(tl.int64) * TARGETS + t
+        _backward_row(i, i < N, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
+                      ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
+                      USE_ABS, ROTATE, HAS_KEYS, HAS_GALPHA, HAS_SCALE, NEED_Q, NEED_K,
+                      NEED_BIAS, ACC, BE, BH, BM, BD)
+
+
+@triton.jit
+def _backward_col(j, valid, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv,
+                  gqs, gks, gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE: tl.constexpr,
                   HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, SUM_QD: tl.constexpr,
                   SUM_KD: tl.constexpr, KEYS_INTO_Q: tl.constexpr, ACC: tl.constexpr,
                   BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """Pass B, one source ``j`` and ``BH`` heads over its outgoing edges (the
-    transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij (s_ij) Q_i gz_i``
-    (``gy`` recomputed, not stored; alpha and s read through ``perm_t``),
-    ``gv = Q_j^T gu``, d qs_j, d ks_j.
-
-    When one tensor is several inputs (homogeneous graphs: ``qs`` is ``qd``,
-    ``ks`` is ``kd``, the keys are the quaternions) the gradients are summed
-    here rather than by autograd (an add launch each): ``SUM_QD`` adds pass A's
-    d qd_j to d qs_j, ``SUM_KD`` pass A's d kd_j to d ks_j, ``KEYS_INTO_Q`` the
-    (summed) key gradient to d qs_j (``D = 4``); what is stored in ``gks`` is
-    then the keys' part alone or with ``SUM_KD`` the two keys' sum."""
-    j = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
-    hm = offs_h < H
+    hm = offs_h < tl.where(valid, H, 0)  # no head of a row past the last
     mm = offs_m < M
     hd = hm[:, None] & (offs_d < D)[None, :]
-    start = tl.load(rowptr_t + j).to(tl.int64)
-    end = tl.load(rowptr_t + j + 1).to(tl.int64)
+    # a row past the last (j >= N, masked by valid) reads rowptr_t[N] twice: empty
+    start = tl.load(rowptr_t + tl.where(valid, j, N)).to(tl.int64)
+    end = tl.load(rowptr_t + tl.where(valid, j + 1, N)).to(tl.int64)
     u0 = tl.full([BH, BM], 0, ACC)
     u1 = tl.full([BH, BM], 0, ACC)
     u2 = tl.full([BH, BM], 0, ACC)
@@ -432,6 +456,35 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
                 dy += tl.reduce(tl.where(col_d == 2, gk, 0.0), 1, _ADD)
                 dz += tl.reduce(tl.where(col_d == 3, gk, 0.0), 1, _ADD)
             _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
+
+
+@triton.jit
+def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gqs,
+                  gks, gqd, gkd, H, M, D, gz_sn, gz_sh, N, ROTATE: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
+                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, SUM_QD: tl.constexpr,
+                  SUM_KD: tl.constexpr, KEYS_INTO_Q: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                  TARGETS: tl.constexpr):
+    """Pass B, one source ``j`` and ``BH`` heads over its outgoing edges (the
+    transposed CSR, so no atomics): ``gu_j = sum_i alpha_ij (s_ij) Q_i gz_i``
+    (``gy`` recomputed, not stored; alpha and s read through ``perm_t``),
+    ``gv = Q_j^T gu``, d qs_j, d ks_j.
+
+    When one tensor is several inputs (homogeneous graphs: ``qs`` is ``qd``,
+    ``ks`` is ``kd``, the keys are the quaternions) the gradients are summed
+    here rather than by autograd (an add launch each): ``SUM_QD`` adds pass A's
+    d qd_j to d qs_j, ``SUM_KD`` pass A's d kd_j to d ks_j, ``KEYS_INTO_Q`` the
+    (summed) key gradient to d qs_j (``D = 4``); what is stored in ``gks`` is
+    then the keys' part alone or with ``SUM_KD`` the two keys' sum.
+
+    ``TARGETS`` consecutive sources per program (issue 32 item 8c; rows ``>= N`` masked)."""
+    for t in tl.static_range(TARGETS):
+        j = tl.program_id(0).to(tl.int64) * TARGETS + t
+        _backward_col(j, j < N, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv,
+                      gqs, gks, gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE, HAS_SCALE, NEED_U,
+                      NEED_V, NEED_Q, NEED_K, SUM_QD, SUM_KD, KEYS_INTO_Q, ACC, BE, BH, BM,
+                      BD)
 
 
 @triton.jit

@@ -29,6 +29,15 @@ buffers in the backward (the parked softmax gradient and the key-product
 gradient: separate, so that no walk reads an entry another thread rewrites). float16, bfloat16 and float32 inputs accumulate in
 float32 (float64 in float64); int32 and int64 indices.
 
+Launch configurations (:class:`Config`: ``BE`` edges per step, ``TARGETS``
+rows per program, ``num_warps``): the heuristic one by default (``BE`` and the
+warps from the tile size, one row per program); on CUDA each row kernel is
+tuned once per key (:func:`tuning_key`: heads, blocks of four, key width, mean
+degree bucket, dtype and flags) over at most five :func:`candidates` and the
+fastest kept (:data:`TUNED`, :func:`tuned` for reports). ``QSV_PYG_AUTOTUNE``
+(``auto``/``1``/``0``) controls it; never in deterministic mode or while a
+CUDA graph is captured (the heuristic configuration: bit-identical reruns).
+
 Used for CUDA tensors when Triton imports (``QSV_PYG_TRITON=0`` turns it off).
 ``QSV_PYG_TRITON=interpret`` (read at every call) also sends CPU tensors here,
 through Triton's interpreter (slow: for the tests).
@@ -41,10 +50,12 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -180,6 +191,131 @@ class _Setup:
         self.warps = num_warps_for(self.BE * self.BH * self.BM)
 
 
+# ------------------------------------------------------- launch configurations
+@dataclass(frozen=True)
+class Config:
+    """How a row kernel (``forward_rows``, ``backward_rows``, ``backward_cols``)
+    is launched: ``BE`` edges per step of a row walk, ``TARGETS`` consecutive
+    rows (targets; sources in pass B) per program, ``warps`` per program."""
+    BE: int
+    TARGETS: int
+    warps: int
+
+
+#: Rows of at most this mean degree may share a program (issue 32 item 8c).
+SHARED_ROWS_DEGREE = 32
+TARGETS_CHOICES = (2, 4)
+#: ``QSV_PYG_AUTOTUNE``: ``auto`` (default: tune on CUDA), ``1`` (also the
+#: interpreter: tests), ``0`` (the heuristic configuration only). Read at every call.
+AUTOTUNE_ENV = "QSV_PYG_AUTOTUNE"
+#: Tuned choices: key -> :class:`Config` (:func:`tuning_key`).
+TUNED: Dict[tuple, Config] = {}
+#: What each tuning measured: key -> ``{config: seconds}`` (for reports).
+TIMINGS: Dict[tuple, Dict[Config, float]] = {}
+TUNE_REPEATS = 3
+
+
+def degree_bucket(edges: int, rows: int) -> int:
+    """The mean degree ``edges / rows`` rounded to a power of two (a tuning key)."""
+    return _pow2(max(1, round(edges / max(rows, 1))))
+
+
+def candidates(s: "_Setup", degree: int) -> List[Config]:
+    """The configurations tried for a row kernel with ``s``'s tiles over rows of
+    mean degree ``degree`` (:func:`degree_bucket`); the first is the heuristic
+    one, launched untuned: one row per program, ``s.BE`` edges per step.
+
+    The others (at most four more): a step no longer than the degree (a
+    degree-8 row walked 16 edges at a time leaves half the lanes masked),
+    several rows per program for low degrees (the dependent loads of a row,
+    ``rowptr -> col -> features``, overlap with the next row's; per-program
+    loads of β and the head tile are shared), and twice the warps."""
+    base = Config(s.BE, 1, s.warps)
+    be = max(1, min(s.BE, degree))
+    warps = num_warps_for(be * s.BH * s.BM)
+    out = [base]
+    if be < s.BE:
+        out.append(Config(be, 1, warps))
+    if degree <= SHARED_ROWS_DEGREE:
+        out += [Config(be, t, warps) for t in TARGETS_CHOICES]
+    if s.warps < MAX_WARPS:
+        out.append(Config(s.BE, 1, 2 * s.warps))
+    return list(dict.fromkeys(out))
+
+
+def tuning_key(kernel: str, device: torch.device, dtype: torch.dtype, s: "_Setup",
+               degree: int, flags: Dict[str, object]) -> tuple:
+    """Heads, blocks of four channels and key width (``H, M, D``), the mean
+    degree's bucket, and what else makes another binary or other work: the
+    kernel, the device, the storage dtype and the constexpr flags."""
+    return (kernel, str(device), str(dtype), s.H, s.M, s.D, degree,
+            tuple(sorted(flags.items())))
+
+
+def tuning_enabled(device: torch.device) -> bool:
+    """Whether a new key is timed (:data:`AUTOTUNE_ENV`). Never in deterministic
+    mode (another step length sums in another order: a rerun must choose the
+    same configuration, the heuristic one) nor while a CUDA graph is captured."""
+    m = os.environ.get(AUTOTUNE_ENV, "auto")
+    if m == "0" or torch.are_deterministic_algorithms_enabled():
+        return False
+    if device.type == "cuda":
+        return not torch.cuda.is_current_stream_capturing()
+    return m == "1"
+
+
+def _seconds(run: Callable[[], None], device: torch.device) -> float:
+    """Median wall time of one launch over :data:`TUNE_REPEATS` (compiled by a
+    first, untimed one)."""
+    run()
+    times = []
+    for _ in range(TUNE_REPEATS):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] if times else 0.0  # 0 repeats: untimed
+
+
+def launch_tuned(key: tuple, configs: List[Config], launch: Callable[[Config], None],
+                 device: torch.device) -> Config:
+    """Launch a row kernel with its configuration and return it: the tuned one
+    for ``key`` (timed once per key on first sight, every candidate launched
+    on the same arguments: the kernels only write their outputs, so a rerun
+    leaves the same result), else the heuristic ``configs[0]``. Tuning waits
+    for the device: once per key, never again for it."""
+    if not tuning_enabled(device) or len(configs) == 1:
+        launch(configs[0])
+        return configs[0]
+    best = TUNED.get(key)
+    if best is None:
+        timings = {c: _seconds(lambda c=c: launch(c), device) for c in configs}
+        best = min(configs, key=lambda c: timings[c])  # ties: the earlier candidate
+        TUNED[key], TIMINGS[key] = best, timings
+    launch(best)
+    return best
+
+
+def tuned() -> List[dict]:
+    """The tuned configurations so far, as JSON rows (for benchmark reports)."""
+    rows = []
+    for key, best in TUNED.items():
+        kernel, device, dtype, H, M, D, degree, flags = key
+        rows.append({"kernel": kernel, "device": device, "dtype": dtype, "H": H, "M": M,
+                     "D": D, "degree": degree, "flags": dict(flags),
+                     "chosen": vars(best).copy(),
+                     "timings_us": [{**vars(c), "us": round(t * 1e6, 2)}
+                                    for c, t in TIMINGS[key].items()]})
+    return rows
+
+
 def _on_device(launch):
     """Run ``launch(t, ...)`` with ``t``'s CUDA device current: Triton launches
     on the current device, so a tensor on ``cuda:1`` without
@@ -281,12 +417,19 @@ def forward(v: Tensor, qs: Tensor, qd: Tensor, ks: Tensor, kd: Tensor, beta: Ten
                                             BR=BR, BM=s.BM,
                                             num_warps=num_warps_for(BR * s.BM))
     if Nd:
-        s.k.forward_rows[(Nd, s.head_tiles)](
-            u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v), beta,
-            _nonempty(scale, v), _nonempty(bias, v), rowptr, col, _nonempty(y, z), z,
-            _nonempty(alpha, z), _nonempty(dot, z), s.H, s.M, s.D, USE_ABS=use_abs,
-            ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled, HAS_BIAS=biased, ACC=s.acc,
-            BE=s.BE, BH=s.BH, BM=s.BM, BD=s.BD, num_warps=s.warps)
+        flags = dict(USE_ABS=use_abs, ROTATE=rotate, HAS_KEYS=s.D > 0, HAS_SCALE=scaled,
+                     HAS_BIAS=biased)
+
+        def launch(c: Config):
+            s.k.forward_rows[(-(-Nd // c.TARGETS), s.head_tiles)](
+                u if rotate else v, _nonempty(qd, v), _nonempty(ks, v), _nonempty(kd, v),
+                beta, _nonempty(scale, v), _nonempty(bias, v), rowptr, col, _nonempty(y, z),
+                z, _nonempty(alpha, z), _nonempty(dot, z), s.H, s.M, s.D, Nd, **flags,
+                ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=s.BD, TARGETS=c.TARGETS,
+                num_warps=c.warps)
+        degree = degree_bucket(E, Nd)
+        launch_tuned(tuning_key("forward_rows", v.device, v.dtype, s, degree, flags),
+                     candidates(s, degree), launch, v.device)
     return z, alpha, u, y, dot
 
 
@@ -343,26 +486,40 @@ def backward(gz: Tensor, galpha: Optional[Tensor], v: Tensor, qs: Tensor, qd: Te
     keys_q = bool(shared & KEYS_ARE_Q) and sum_q and sum_k and s.D == 4
     CALLS["backward"] += 1
     if Nd:
-        s.k.backward_rows[(Nd, s.head_tiles)](
-            gz, v if galpha is None else galpha, u if rotate else v, _nonempty(qd, v),
-            _nonempty(ks, v), _nonempty(kd, v), beta, _nonempty(scale, v), rowptr, col,
-            _nonempty(alpha, v), _nonempty(y, v), _nonempty(ga_buf, gbeta_part),
-            _nonempty(gd, gbeta_part), _nonempty(gbias, v), gbeta_part, _nonempty(gqd, v),
-            _nonempty(gkd, v), s.H, s.M, s.D, gz_sn, gz_sh, USE_ABS=use_abs, ROTATE=rotate,
-            HAS_KEYS=s.D > 0, HAS_GALPHA=galpha is not None, HAS_SCALE=scaled,
-            NEED_Q=need_q, NEED_K=need_k, NEED_BIAS=need_bias, ACC=s.acc, BE=s.BE, BH=s.BH,
-            BM=s.BM, BD=s.BD, num_warps=s.warps)
+        flags_a = dict(USE_ABS=use_abs, ROTATE=rotate, HAS_KEYS=s.D > 0,
+                       HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, NEED_Q=need_q,
+                       NEED_K=need_k, NEED_BIAS=need_bias)
+
+        def launch_a(c: Config):
+            s.k.backward_rows[(-(-Nd // c.TARGETS), s.head_tiles)](
+                gz, v if galpha is None else galpha, u if rotate else v, _nonempty(qd, v),
+                _nonempty(ks, v), _nonempty(kd, v), beta, _nonempty(scale, v), rowptr, col,
+                _nonempty(alpha, v), _nonempty(y, v), _nonempty(ga_buf, gbeta_part),
+                _nonempty(gd, gbeta_part), _nonempty(gbias, v), gbeta_part,
+                _nonempty(gqd, v), _nonempty(gkd, v), s.H, s.M, s.D, gz_sn, gz_sh, Nd,
+                **flags_a, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=s.BD, TARGETS=c.TARGETS,
+                num_warps=c.warps)
+        degree = degree_bucket(E, Nd)
+        launch_tuned(tuning_key("backward_rows", v.device, v.dtype, s, degree, flags_a),
+                     candidates(s, degree), launch_a, v.device)
     need_u = need_v or need_q
     if Ns and (need_u or need_k):
-        s.k.backward_cols[(Ns, s.head_tiles)](
-            gz if Nd else v, v, _nonempty(qs, v), _nonempty(qd, v), _nonempty(kd, v),
-            _nonempty(alpha, v), _nonempty(scale, v), _nonempty(gd, gbeta_part),
-            rowptr_t.contiguous(), perm_t.contiguous(), row_t.contiguous(), _nonempty(gv, v),
-            _nonempty(gqs, v), _nonempty(gks, v), _nonempty(gqd, v), _nonempty(gkd, v), s.H,
-            s.M, s.D, gz_sn if Nd else 0, gz_sh if Nd else 0, ROTATE=rotate,
-            HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v, NEED_Q=need_q, NEED_K=need_k,
-            SUM_QD=sum_q, SUM_KD=sum_k, KEYS_INTO_Q=keys_q, ACC=s.acc, BE=s.BE, BH=s.BH,
-            BM=s.BM, BD=s.BD, num_warps=s.warps)
+        flags_b = dict(ROTATE=rotate, HAS_SCALE=scaled, NEED_U=need_u, NEED_V=need_v,
+                       NEED_Q=need_q, NEED_K=need_k, SUM_QD=sum_q, SUM_KD=sum_k,
+                       KEYS_INTO_Q=keys_q)
+        rowptr_t, perm_t, row_t = (t.contiguous() for t in (rowptr_t, perm_t, row_t))
+
+        def launch_b(c: Config):
+            s.k.backward_cols[(-(-Ns // c.TARGETS), s.head_tiles)](
+                gz if Nd else v, v, _nonempty(qs, v), _nonempty(qd, v), _nonempty(kd, v),
+                _nonempty(alpha, v), _nonempty(scale, v), _nonempty(gd, gbeta_part),
+                rowptr_t, perm_t, row_t, _nonempty(gv, v), _nonempty(gqs, v),
+                _nonempty(gks, v), _nonempty(gqd, v), _nonempty(gkd, v), s.H, s.M, s.D,
+                gz_sn if Nd else 0, gz_sh if Nd else 0, Ns, **flags_b, ACC=s.acc, BE=c.BE,
+                BH=s.BH, BM=s.BM, BD=s.BD, TARGETS=c.TARGETS, num_warps=c.warps)
+        degree = degree_bucket(E, Ns)
+        launch_tuned(tuning_key("backward_cols", v.device, v.dtype, s, degree, flags_b),
+                     candidates(s, degree), launch_b, v.device)
     gbeta = gbeta_part.sum(0).to(beta.dtype)
     if need_bias and not Nd:
         gbias.zero_()
