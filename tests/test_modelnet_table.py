@@ -143,7 +143,10 @@ def test_every_row_builds_and_controls_match_qsv_parameters():
         n = sum(p.numel() for p in M.build_model(name, 10).parameters())
         if M.ROWS[name][0] != "qsv":
             assert abs(n - target) <= 0.05 * target, (name, n, target)
-    assert len([n for n in M.ROW_NAMES if M.ROWS[n][4]]) == 5  # one ablation per switch
+    ablations = [n for n in M.ROW_NAMES if M.ROWS[n][4]]
+    # the defaults at the ablation budget, then one ablation per switch
+    assert ablations[0] == M.ABLATION_REFERENCE and M.ROWS[ablations[0]][1] == {}
+    assert len(ablations) == 6 and all(M.ROWS[n][1] for n in ablations[1:])
 
 
 def test_precomputed_geometry_gives_the_models_own_logits():
