@@ -88,3 +88,27 @@ def test_bench_conv_edge_dim_gives_edge_features_to_the_layers_that_take_them(tm
     assert conv.edge_dim == 3 and conv.lin_edge is not None
     assert bench_conv.make_layer("gat", 16, 4, edge_dim=3).lin_edge is not None
     assert bench_conv.make_layer("gat", 16, 4).lin_edge is None
+
+
+def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
+    """The GAT twin is QSVGeometric with GATConv layers (same width, heads and edge
+    features; 0.7% fewer parameters at the defaults), and both train a step."""
+    import numpy as np
+    from torch_geometric.nn import GATConv
+    bench_geometric = load_benchmark("bench_geometric")
+    g = np.random.default_rng(0)
+    (tmp_path / "Toy").mkdir()
+    np.savez(tmp_path / "Toy" / "toy.npz", pos_train=g.normal(size=(8, 40, 3)),
+             y_train=np.arange(8) % 2, pos_test=g.normal(size=(2, 40, 3)),
+             y_test=np.arange(2) % 2)
+    payload = bench_geometric.main(["--data-dir", str(tmp_path), "--dataset", "Toy",
+                                    "--points", "24", "--batch-size", "4", "--batches", "2",
+                                    "--repeats", "1", "--out", str(tmp_path / "g.json")])
+    rows = {r["model"]: r for r in payload["rows"]}
+    assert set(rows) == {"QSVGeometric", "GATConv in place"}
+    assert rows["GATConv in place"]["ratio_to_gat"] == 1.0
+    assert all(r["ms_per_step"] > 0 for r in rows.values())
+    twin = bench_geometric.gat_twin(10)
+    assert all(isinstance(c.conv, GATConv) and c.conv.lin_edge is not None for c in twin.convs)
+    assert 0.98 < rows["GATConv in place"]["params"] / rows["QSVGeometric"]["params"] < 1.0
+    assert json.loads((tmp_path / "g.json").read_text())["rows"] == payload["rows"]
