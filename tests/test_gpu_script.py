@@ -37,10 +37,12 @@ PHASE = re.compile(r"^phase (?P<name>\w+) (?P<budget>\d+)s$")
 LINE = re.compile(r"^step (?P<name>[\w-]+) (?P<limit>\d+)s: (?P<cmd>.+)$")
 
 
-def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _dry_run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The dry run as on the GPU image: ``PYTHON`` unset (CI may set it), plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
     return subprocess.run(["bash", str(BENCH / "run_gpu.sh"), *args, "--dry-run"], cwd=REPO,
                           capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OUT": str(out)})
+                          env={**base, "OUT": str(out), **env})
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +158,15 @@ def test_no_pytest_step_stops_at_the_first_failure(dry_run):
     for name, _, cmd in _steps(dry_run[1]):
         if cmd[1:3] == ["-m", "pytest"]:
             assert "-x" not in cmd and "--exitfirst" not in cmd, name
+
+
+def test_python_variable_chooses_the_interpreter(tmp_path):
+    proc = _dry_run(tmp_path, "warmup", PYTHON="/opt/py/bin/python")
+    lines = [l for l in proc.stdout.splitlines() if LINE.match(l)]
+    assert proc.returncode == 0 and lines
+    for line in lines:
+        cmd = shlex.split(LINE.match(line)["cmd"])
+        assert cmd[0] in ("/opt/py/bin/python", "nvidia-smi"), line
 
 
 def test_one_phase_alone_and_bad_arguments(tmp_path):
