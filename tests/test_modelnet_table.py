@@ -164,3 +164,42 @@ def test_precomputed_geometry_gives_the_models_own_logits():
         given = M.forward(model, M.encode(model, pos, y), idx)
         own = M.forward(model, {"pos": pos.float(), "y": y}, idx)
     assert torch.allclose(given, own, atol=1e-5), (given - own).abs().max()
+
+
+def test_augment_shapes_rescales_resamples_and_stays_on_the_unit_sphere():
+    g = torch.Generator().manual_seed(0)
+    full = M.unit_sphere(torch.randn(5, 64, 3, dtype=torch.float64, generator=g))
+    a = M.augment_shapes(full, 24, torch.Generator().manual_seed(1))
+    b = M.augment_shapes(full, 24, torch.Generator().manual_seed(1))
+    c = M.augment_shapes(full, 24, torch.Generator().manual_seed(2))
+    assert a.shape == (5, 24, 3) and torch.equal(a, b) and not torch.equal(a, c)
+    assert a.norm(dim=2).amax(1).le(1 + 1e-12).all()
+    lo, hi = M.SCALE_RANGE
+    # all points drawn: the scaling is anisotropic and inside the range (the per-axis
+    # spreads' ratios to the original's lie within hi/lo of one another)
+    spread_a = M.augment_shapes(full, 64, torch.Generator().manual_seed(3)).std(1)
+    ratio = spread_a / full.std(1)
+    r = ratio / ratio.amin(1, keepdim=True)
+    assert r.le(hi / lo + 1e-9).all() and r.gt(1.01).any()
+
+
+def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
+    """An augmented row: ``augment`` in its config.json, fresh draws every epoch,
+    and its test rows like any other's; the others' configs have no such key."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "augmented", "--protocols",
+                        "so3", "--seeds", "1", "--budget-cpu-s", "1"))
+    assert set(rows) <= set(M.AUGMENTED) and "QSV-geometric augmented" in rows
+    cfg = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
+                      "config.json").read_text())
+    assert cfg["augment"] == "resample+scale" and cfg["augment"] in M.AUGMENTATIONS
+    metrics = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
+                          "metrics.json").read_text())
+    assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
+    assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")}
+    assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
+    with pytest.raises(ValueError, match="unknown augmentation"):
+        M.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
+                     lambda _r: None)

@@ -12,7 +12,10 @@ given, one fixed random rotation about ``z`` per shape, one fixed uniform 3-D
 rotation per shape) and ``SO3/SO3`` (training with a fresh uniform rotation of
 every shape in every epoch). DGCNN is trained both ways (the best non-invariant
 row, trained aligned, and with SO3 augmentation), PointNet++ with SO3
-augmentation only.
+augmentation only. The rows named ``... augmented`` (:data:`AUGMENTED`, ``--rows
+augmented``) train the same models SO3/SO3 with a fresh anisotropic scaling and
+a fresh draw of the points of every shape in every epoch (:func:`augment_shapes`);
+the other rows see the same points of every shape in every epoch.
 
 **Units and the budget.** A unit is (row, train protocol, seed). It trains
 until its process-clock budget (``--budget-cpu-s``; ``time.process_time`` of
@@ -145,6 +148,16 @@ def _ablations() -> List[Tuple[str, Dict[str, Any]]]:
     ]
 
 
+#: The training augmentations a row may use (``config.json``'s ``"augment"``;
+#: rows without one see the same ``--points`` of every shape in every epoch).
+#: ``"resample+scale"``: in every epoch, every training shape is scaled by a
+#: factor drawn from :data:`SCALE_RANGE` per axis (the DGCNN recipe's
+#: anisotropic scaling), centred and scaled to the unit sphere again, and
+#: ``--points`` of its points are drawn afresh (PyG's examples resample through
+#: ``SamplePoints`` on every access); then rotated as the protocol says.
+AUGMENTATIONS = ("resample+scale",)
+SCALE_RANGE = (2.0 / 3.0, 3.0 / 2.0)
+
 #: name -> (family, model kwargs, train protocols, seeds in the full table,
 #: ablation). Table order.
 ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
@@ -153,7 +166,14 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     "VN-DGCNN": ("vn", {}, ("aligned", "so3"), 3, False),
     "DGCNN": ("dgcnn", {}, ("aligned", "so3"), 1, False),
     "PointNet++": ("pointnet2", {}, ("so3",), 1, False),
+    # the same models trained with the augmentation of AUGMENTED (SO3 training)
+    "QSV-geometric augmented": ("qsv", {}, ("so3",), 3, False),
+    "DGCNN augmented": ("dgcnn", {}, ("so3",), 1, False),
+    "PointNet++ augmented": ("pointnet2", {}, ("so3",), 1, False),
 }
+#: Rows trained with an augmentation of :data:`AUGMENTATIONS`; the others use none.
+AUGMENTED: Dict[str, str] = {name: "resample+scale" for name in ROWS
+                             if name.endswith(" augmented")}
 ROW_NAMES = list(ROWS)
 #: Neighbours of the controls' kNN graphs (the field's k ~ 20).
 CONTROL_K = 20
@@ -264,13 +284,27 @@ def stratified_split(y: Tensor, fraction: float = VAL_FRACTION, seed: int = VAL_
     return mask.nonzero().view(-1), val_idx
 
 
+def unit_sphere(p: Tensor) -> Tensor:
+    """Every shape of ``[S, N, 3]`` centred (its points' mean) and scaled to the unit sphere."""
+    p = p - p.mean(1, keepdim=True)
+    return p / p.norm(dim=2).amax(1).clamp_min(1e-12)[:, None, None]
+
+
 def normalise(pos: np.ndarray, points: int, seed: int) -> Tensor:
     """Centred, unit-sphere, subsampled shapes ``[S, points, 3]`` in float64."""
-    p = torch.from_numpy(np.ascontiguousarray(pos)).double()
-    p = p - p.mean(1, keepdim=True)
-    p = p / p.norm(dim=2).amax(1).clamp_min(1e-12)[:, None, None]
+    p = unit_sphere(torch.from_numpy(np.ascontiguousarray(pos)).double())
     g = torch.Generator().manual_seed(seed)
     keep = torch.rand(p.shape[0], p.shape[1], generator=g).argsort(1)[:, :points]
+    return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
+
+
+def augment_shapes(full: Tensor, points: int, g: torch.Generator) -> Tensor:
+    """``"resample+scale"`` (:data:`AUGMENTATIONS`) of ``full`` ``[S, N, 3]`` (all of
+    every shape's points): ``[S, points, 3]``, a fresh draw from ``g``."""
+    lo, hi = SCALE_RANGE
+    scale = lo + (hi - lo) * torch.rand(full.size(0), 1, 3, generator=g, dtype=full.dtype)
+    p = unit_sphere(full * scale)
+    keep = torch.rand(full.size(0), full.size(1), generator=g).argsort(1)[:, :points]
     return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
 
 
@@ -301,7 +335,9 @@ _ARRAYS: Dict[tuple, Dict[str, Tensor]] = {}
 
 def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]]:
     """``{"train", "val", "test"}`` -> (centred, subsampled shapes float64, labels),
-    cached per process (the common preprocessing, outside the budget)."""
+    and ``"train_all"``: the training shapes with all their points (what
+    :func:`augment_shapes` draws from), cached per process (the common
+    preprocessing, outside the budget)."""
     key = (path, cfg["points"], cfg["max_train"], cfg["max_test"])
     if key not in _ARRAYS:
         _ARRAYS.clear()
@@ -313,9 +349,14 @@ def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]
                             SUBSAMPLE_SEED[split])
             y = torch.from_numpy(arrays[f"y_{split}"][keep.numpy()].astype(np.int64))
             out[split] = (pos, y)
+            if split == "train":
+                full = arrays["pos_train"][keep.numpy()]
+                out["train_all"] = (unit_sphere(torch.from_numpy(
+                    np.ascontiguousarray(full)).double()), y)
         tr, va = stratified_split(out["train"][1])
         pos, y = out["train"]
         out["train"], out["val"] = (pos[tr], y[tr]), (pos[va], y[va])
+        out["train_all"] = (out["train_all"][0][tr], y[tr])
         _ARRAYS[key] = out
     return _ARRAYS[key]
 
@@ -424,9 +465,14 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     order_gen = torch.Generator().manual_seed(cfg["seed"])
     rot_gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
+    augment = cfg.get("augment")
+    if augment is not None and augment not in AUGMENTATIONS:
+        raise ValueError(f"unknown augmentation {augment!r}; choose from {AUGMENTATIONS}")
+    aug_gen = torch.Generator().manual_seed(20_000 + cfg["seed"])
     train_pos, train_y = sets["train"]
     count = train_y.numel()
-    fixed = encode(model, train_pos, train_y) if cfg["train"] == "aligned" else None
+    fixed = encode(model, train_pos, train_y) \
+        if cfg["train"] == "aligned" and augment is None else None
     encode_seconds = used()
     planned_epochs: Optional[int] = None
     step = epoch = shapes_seen = 0
@@ -438,9 +484,11 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     stopped = False
     while not stopped:
         t0 = used()
-        if fixed is None:  # a fresh SO3 rotation of every shape; the model re-encodes
-            rot = rotations("so3", count, rot_gen)
-            train = {"pos": rotate(train_pos, rot).float(), "y": train_y}
+        if fixed is None:  # fresh augmentation / SO3 rotations; the model re-encodes
+            pos = train_pos if augment is None else \
+                augment_shapes(sets["train_all"][0], cfg["points"], aug_gen)
+            rot = rotations(cfg["train"], count, rot_gen)
+            train = {"pos": rotate(pos, rot).float(), "y": train_y}
         else:
             train = fixed
         model.train()
@@ -678,8 +726,8 @@ def report(out_root: Path, dataset: str = DATASET, quiet: bool = False
 
 # ------------------------------------------------------------------ main
 def select_rows(spec: Optional[str]) -> List[str]:
-    """``--rows``: comma-separated row names or slugs, ``ablations``, ``main`` or
-    ``all`` (default)."""
+    """``--rows``: comma-separated row names or slugs, ``ablations``, ``augmented``,
+    ``main`` or ``all`` (default)."""
     if spec is None or spec.strip() == "all":
         return list(ROW_NAMES)
     out: List[str] = []
@@ -689,12 +737,14 @@ def select_rows(spec: Optional[str]) -> List[str]:
             continue
         if part == "ablations":
             names = [n for n in ROW_NAMES if ROWS[n][4]]
+        elif part == "augmented":
+            names = list(AUGMENTED)
         elif part == "main":
             names = [n for n in ROW_NAMES if not ROWS[n][4]]
         elif part in ROWS or part in by_slug:
             names = [by_slug.get(part, part)]
         else:
-            fail(f"--rows: unknown row {part!r}; choose from all, main, ablations, "
+            fail(f"--rows: unknown row {part!r}; choose from all, main, ablations, augmented, "
                  f"{', '.join(by_slug)}")
         out += [n for n in names if n not in out]
     if not out:
@@ -787,6 +837,8 @@ def units_of(args: argparse.Namespace, path: Path, arrays: Dict[str, Any]
                        "points": args.points, "batch_size": args.batch_size, "lr": args.lr,
                        "optimizer": "adam", "schedule": "cosine annealed to the budget",
                        "budget_cpu_s": budget, "threads": args.threads}
+                if name in AUGMENTED:
+                    cfg["augment"] = AUGMENTED[name]
                 folder = args.out_root / args.dataset / slug(name) / train / f"seed{seed}"
                 units.append((str(folder), cfg))
     return units
