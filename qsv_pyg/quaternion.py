@@ -89,6 +89,36 @@ def normalize(q: Tensor, eps: float = 1e-12) -> Tensor:
 
 
 
+def _fused_unit(q: Tensor):
+    """The module whose ``unit_forward``/``unit_backward`` normalise ``q`` in one
+    kernel each way (the Triton path's, or the C++ CPU kernel's, chosen as the
+    attention operator chooses them), or None for the PyTorch ops (other
+    dtypes, and while torch.compile traces: inductor fuses the ops itself)."""
+    from .nn import _cpu_ext, triton_kernel
+    if triton_kernel.unit_available(q):
+        return _TritonUnit
+    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling()):
+        ext = _cpu_ext.cpu_kernel()
+        if ext is not None and hasattr(ext, "unit_forward"):
+            return ext
+    return None
+
+
+class _TritonUnit:
+    """The Triton path's kernels under the C++ module's names."""
+
+    @staticmethod
+    def unit_forward(q: Tensor, eps: float) -> Tensor:
+        from .nn import triton_kernel
+        return triton_kernel.unit_quaternion(q, eps)
+
+    @staticmethod
+    def unit_backward(q: Tensor, grad: Tensor, eps: float) -> Tensor:
+        from .nn import triton_kernel
+        return triton_kernel.unit_quaternion_backward(q, grad, eps)
+
+
 class _UnitQuaternion(torch.autograd.Function):
     """``q / |q|`` with norms ``<= eps`` mapped to the identity, as one autograd
     node (the ops autograd would record for it cost more at a few thousand
@@ -101,17 +131,17 @@ class _UnitQuaternion(torch.autograd.Function):
     first-order backward uses the saved norm.
 
     On the Triton path (CUDA, float32 / float64; see
-    :func:`qsv_pyg.nn.triton_kernel.unit_quaternion`) the forward and the
-    first-order backward are one kernel launch each instead of nine and eight
-    PyTorch ops; a double backward uses the PyTorch formula below."""
+    :func:`qsv_pyg.nn.triton_kernel.unit_quaternion`) and with the C++ CPU
+    kernel (:mod:`qsv_pyg.nn._cpu_ext`, float32 / float64 CPU tensors) the
+    forward and the first-order backward are one kernel each instead of nine
+    and eight PyTorch ops; a double backward uses the PyTorch formula below."""
 
     @staticmethod
     def forward(ctx, q: Tensor, eps: float) -> Tensor:
         ctx.eps = eps
-        from .nn import triton_kernel  # one launch each way on the Triton path
-        ctx.fused = triton_kernel.unit_available(q)
-        if ctx.fused:
-            unit = triton_kernel.unit_quaternion(q, eps)
+        ctx.fused = _fused_unit(q)
+        if ctx.fused is not None:
+            unit = ctx.fused.unit_forward(q.contiguous(), eps)
             ctx.save_for_backward(q, unit)
             return unit
         norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
@@ -127,11 +157,11 @@ class _UnitQuaternion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        if ctx.fused:
+        if ctx.fused is not None:
             q, unit = ctx.saved_tensors
             if not torch.is_grad_enabled():
-                from .nn import triton_kernel
-                return triton_kernel.unit_quaternion_backward(q, grad, ctx.eps), None
+                return ctx.fused.unit_backward(q.contiguous(),
+                                               grad.contiguous().to(q.dtype), ctx.eps), None
             norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
             ok = ~(norm <= ctx.eps)
         else:

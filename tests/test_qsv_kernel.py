@@ -543,6 +543,90 @@ def test_unit_quaternion_gradient():
 
 
 
+def cpp_kernel_or_skip():
+    ext = cpu_ext.cpu_kernel()
+    if ext is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    return ext
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_quaternion_cpp_kernel_matches_the_pytorch_ops(dtype, monkeypatch):
+    """On CPU the normalisation and its gradient run in the C++ kernel (one pass
+    each way); they agree with the PyTorch ops, keep the identity branch and
+    NaN, and the double backward stays exact."""
+    import qsv_pyg.quaternion as quaternion
+    ext = cpp_kernel_or_skip()
+    q = torch.randn(40, 3, 4, generator=gen(22), dtype=dtype)
+    q[1, 0] = 0.0
+    q[2, 1] = 1e-12
+    q[3, 2, 1] = float("nan")
+    q[4, 0, 0] = float("inf")
+    g = torch.randn(q.shape, generator=gen(23), dtype=dtype)
+    assert quaternion._fused_unit(q) is ext
+    assert quaternion._fused_unit(q.half()) is None
+
+    def value_and_grad():
+        x = q.clone().requires_grad_()
+        out = unit_quaternion(x)
+        out.backward(g)
+        return out.detach(), x.grad
+
+    fused = value_and_grad()
+    monkeypatch.setattr(quaternion, "_fused_unit", lambda t: None)
+    ops = value_and_grad()
+    for got, want in zip(fused, ops):
+        torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+    assert torch.isnan(fused[0][3, 2]).all() and torch.isnan(fused[0][4, 0, 0])
+    assert torch.equal(fused[0][1, 0], torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=dtype))
+    assert torch.equal(fused[1][1, 0], torch.zeros(4, dtype=dtype))
+    monkeypatch.undo()
+    x = q[5:15].double().clone().requires_grad_()
+    assert quaternion._fused_unit(x) is ext
+    assert torch.autograd.gradgradcheck(unit_quaternion, (x, ))
+    # A non-contiguous input is read as its values.
+    t = torch.randn(3, 4, 10, generator=gen(24), dtype=dtype).transpose(1, 2)
+    torch.testing.assert_close(unit_quaternion(t), t / t.norm(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpp_softmax_exp_over_a_wide_range_of_logits(dtype):
+    """The C++ forward's float exp is a vectorised polynomial: the weights of
+    logits from -150 to +80 (through the additive term, uniform keys) match a
+    float64 softmax to float32 rounding, an underflowing weight is ~0, and a NaN
+    logit makes its target's weights NaN while the other rows stay finite."""
+    ext = cpp_kernel_or_skip()
+    n, H = 9, 3
+    ei = random_graph(n, n, 60, seed=25, isolated=())
+    graph = build_csr(ei, n, n)
+    v, q_s, q_d, k_s, k_d, beta = operator_inputs(n, n, H, 1, 0, dtype, seed=26)
+    E = ei.size(1)
+    logits = (torch.rand(E, H, generator=gen(27), dtype=torch.float64) * 230 - 150)
+    logits[:5] = torch.tensor([-200.0, -87.0, -1e-3, 0.0, 80.0], dtype=torch.float64)[:, None]
+    rowptr, col = graph.rowptr, graph.col
+
+    def weights(bias):
+        z, alpha, *_ = ext.forward(v, q_s, q_d, k_s, k_d, beta, v.new_empty(0),
+                                   bias.to(dtype)[graph.perm].contiguous(), rowptr, col,
+                                   False, True)
+        return in_edge_order(alpha, graph)
+
+    alpha = weights(logits)
+    dst = ei[1]
+    want = torch.empty_like(logits)
+    for i in range(n):
+        m = dst == i
+        want[m] = torch.softmax(logits.to(dtype).double()[m], dim=0)
+    tol = dict(rtol=3e-6, atol=1e-30) if dtype == torch.float32 else dict(rtol=1e-12, atol=0)
+    torch.testing.assert_close(alpha.double(), want, **tol)
+    nan_logits = logits.clone()
+    nan_logits[7, 1] = float("nan")
+    alpha = weights(nan_logits)
+    row = dst == dst[7]
+    assert torch.isnan(alpha[row, 1]).all()
+    assert torch.isfinite(alpha[~row]).all() and torch.isfinite(alpha[:, [0, 2]]).all()
+
+
 def test_cpp_kernel_refuses_a_malformed_graph():
     """The kernel indexes unchecked, so it validates the CSR it is handed (a graph
     built under torch.compile skips the Python range check)."""

@@ -32,6 +32,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -87,6 +89,35 @@ inline void outer_rows(const T* a, const T* b, int64_t M, T* G) {
       for (int c = 0; c < 4; ++c) G[4 * r + c] += a[r] * b[c];
     }
   }
+}
+
+// exp of a softmax argument (a logit minus its row's maximum, so <= 0; NaN
+// stays NaN): the float case as a branch-free Cephes polynomial (relative
+// error about 1e-7, underflow clamped at exp(-87.3) ~ 1e-38) that the compiler
+// vectorises across heads (std::exp is a scalar call per (edge, head), ~30% of
+// the forward at 16 heads of 4 channels); double keeps std::exp.
+template <typename T>
+inline T softmax_exp(T x) {
+  return std::exp(x);
+}
+
+template <>
+inline float softmax_exp<float>(float x) {
+  x = x < -87.33654f ? -87.33654f : x;  // NaN compares false: kept
+  x = x > 88.37626f ? 88.37626f : x;
+  const float fx = x * 1.44269504088896341f + 0.5f;  // n = floor(x log2(e) + 1/2)
+  int32_t n = static_cast<int32_t>(fx);
+  n -= (fx < static_cast<float>(n));
+  const float fn = static_cast<float>(n);
+  const float r = x - fn * 0.693359375f - fn * -2.12194440e-4f;  // x - n ln 2, in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>(static_cast<int32_t>((n + 127) << 23));  // p 2^n
 }
 
 // The loops below are edge-outer, head-inner: a target row i walks its edges
@@ -199,7 +230,7 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
       for (int64_t e = 0; e < deg; ++e) {
         T* __restrict__ al = alpha + (e0 + e) * H;
         for (int64_t h = 0; h < H; ++h) {
-          const T ex = std::exp(al[h] - mx[h]);
+          const T ex = softmax_exp(al[h] - mx[h]);
           al[h] = ex;
           tot[h] += ex;
         }
@@ -604,10 +635,76 @@ std::vector<torch::Tensor> qsv_backward(
   return {gv, gqs, gqd, gks, gkd, gbeta_part.sum(0), glogit};
 }
 
+// unit[r] = q[r] / |q[r]| for the R = numel / 4 quaternions of q, the identity
+// where |q| <= eps (as qsv_pyg.quaternion.unit_quaternion: a NaN norm is not
+// small, so the NaN propagates); one pass instead of nine PyTorch ops.
+torch::Tensor unit_forward(torch::Tensor q, double eps) {
+  check(q, "q");
+  TORCH_CHECK(q.numel() % 4 == 0, "qsv_kernel_cpu: q must end in a dimension of 4");
+  auto out = torch::empty_like(q);
+  const int64_t R = q.numel() / 4;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "unit_forward", [&] {
+    const scalar_t* src = q.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const scalar_t e = static_cast<scalar_t>(eps);
+    at::parallel_for(0, R, 8192, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* a = src + 4 * r;
+        scalar_t* o = dst + 4 * r;
+        const scalar_t norm = std::sqrt(a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3]);
+        if (norm <= e) {
+          o[0] = 1; o[1] = o[2] = o[3] = 0;
+        } else {
+          for (int c = 0; c < 4; ++c) o[c] = a[c] / norm;
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// The gradient of unit_forward for the incoming grad, (g - u <u, g>) / |q|
+// (0 where the identity was taken), with the norm recomputed from q.
+torch::Tensor unit_backward(torch::Tensor q, torch::Tensor grad, double eps) {
+  check(q, "q");
+  check(grad, "grad");
+  TORCH_CHECK(grad.sizes() == q.sizes() && grad.scalar_type() == q.scalar_type(),
+              "qsv_kernel_cpu: grad must match q");
+  auto out = torch::empty_like(q);
+  const int64_t R = q.numel() / 4;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "unit_backward", [&] {
+    const scalar_t* src = q.data_ptr<scalar_t>();
+    const scalar_t* gr = grad.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const scalar_t e = static_cast<scalar_t>(eps);
+    at::parallel_for(0, R, 8192, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* a = src + 4 * r;
+        const scalar_t* g = gr + 4 * r;
+        scalar_t* o = dst + 4 * r;
+        const scalar_t norm = std::sqrt(a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3]);
+        if (norm <= e) {
+          o[0] = o[1] = o[2] = o[3] = 0;
+          continue;
+        }
+        scalar_t u[4], d = 0;
+        for (int c = 0; c < 4; ++c) {
+          u[c] = a[c] / norm;
+          d += u[c] * g[c];
+        }
+        for (int c = 0; c < 4; ++c) o[c] = (g[c] - u[c] * d) / norm;
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "qsv_pyg: QSV attention over a CSR graph on CPU";
   m.def("forward", &qsv_forward, "QSV attention, forward (CPU)");
   m.def("backward", &qsv_backward, "QSV attention, backward (CPU)");
+  m.def("unit_forward", &unit_forward, "q / |q|, the identity where |q| <= eps (CPU)");
+  m.def("unit_backward", &unit_backward, "the gradient of unit_forward (CPU)");
 }

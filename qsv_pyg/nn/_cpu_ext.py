@@ -66,7 +66,7 @@ _STATE: dict = {"tried": False, "module": None, "error": None}
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
                       "qsv_kernel_cpu.cpp")
 NAME = "qsv_pyg_csr_kernel"
-CFLAGS = ("-O3", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")  # the last: softmax_exp vectorises
 LDFLAGS = ("-fopenmp",)
 TIMEOUT_ENV = "QSV_PYG_KERNEL_LOCK_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
