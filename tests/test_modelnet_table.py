@@ -198,8 +198,28 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
     metrics = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
                           "metrics.json").read_text())
     assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
-    assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")}
+    assert set(rows) == set(M.AUGMENTED) - set(M.LONG_ROWS)  # --rows augmented: not the long
+    assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")} | \
+        set(M.LONG_ROWS)
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
         M.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
                      lambda _r: None)
+
+
+def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
+    """``--rows long``: the recommended recipe (augmented SO3 training) at
+    ``--long-budget-cpu-s``, whatever ``--budget-cpu-s`` says; its own row in the report."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "long", "--seeds", "1",
+                        "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
+    assert set(rows) == set(M.LONG_ROWS) == {"QSV-geometric augmented long"}
+    unit = out / "Toy" / "qsv-geometric-augmented-long" / "so3" / "seed0"
+    cfg = json.loads((unit / "config.json").read_text())
+    assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"
+    assert json.loads((unit / "metrics.json").read_text())["cpu_seconds_train"] < 50
+    assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 2)
+    with pytest.raises(SystemExit):
+        M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
