@@ -156,6 +156,37 @@ def test_frames_are_per_cloud_with_batch():
     assert torch.equal(both.ambiguous[60:], one.ambiguous)
 
 
+def test_frames_of_a_batch_mixing_every_case_equal_each_cloud_alone():
+    """The moments that only some nodes need (the third moment where the first
+    does not decide, the candidates of the plane / line / isotropic cases) are
+    summed over those nodes' edges alone: in a batch whose clouds hit every case
+    (a generic blob, a lattice bowl: plane on top, a line: line on top, a
+    polygon, cube corners and duplicates: isotropic), every cloud's frames are
+    bit for bit those of the cloud alone."""
+    xs = torch.arange(-3, 4, dtype=F64)
+    grid = torch.stack(torch.meshgrid(xs, xs, indexing="ij"), -1).reshape(-1, 2)
+    bowl = torch.cat([grid, 0.1 * (grid[:, :1] ** 2 + 2 * grid[:, 1:] ** 2)], 1)
+    clouds = [blob(60, 3), bowl, line(), polygon(), cube_corners(),
+              torch.cat([blob(20, 4), torch.ones(6, 3, dtype=F64)])]
+    k = 3
+    pos = torch.cat([c + 10.0 * i for i, c in enumerate(clouds)])
+    batch = torch.cat([torch.full((len(c),), i) for i, c in enumerate(clouds)])
+    both = oriented_frames(pos, knn_graph(pos, k, batch), batch)
+    start = 0
+    for i, c in enumerate(clouds):
+        one = oriented_frames(c + 10.0 * i, knn_within(c + 10.0 * i, k))
+        part = slice(start, start + len(c))
+        assert torch.equal(both.frame[part], one.frame), i
+        assert torch.equal(both.ambiguous[part], one.ambiguous), i
+        start += len(c)
+    lam = both.eigenvalues
+    gap12, gap23 = lam[:, 0] - lam[:, 1], lam[:, 1] - lam[:, 2]
+    tiny = 1e-9 * lam[:, 0].clamp_min(1e-30)
+    assert ((gap12 <= tiny) & (gap23 > tiny)).any()  # plane on top
+    assert ((gap12 > tiny) & (gap23 <= tiny)).any()  # line on top
+    assert ((gap12 <= tiny) & (gap23 <= tiny)).any()  # isotropic
+
+
 def test_legacy_rules_are_local_frames():
     pos = blob(80)
     ei = knn_within(pos, 8)

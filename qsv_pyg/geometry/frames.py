@@ -359,28 +359,54 @@ def oriented_frames(pos: Tensor, edge_index: Tensor, batch: Optional[Tensor] = N
     thr_centroid = tol * g.norm(dim=-1) + floor
     thr_gap = s * (tol * s + 100 * floor)
 
-    def cubic(u: Tensor) -> Tensor:  # mean_j <d_j, u>^3
-        return edge_mean((d * u[dst]).sum(-1) ** 3)
+    # The edge moments below are needed only at some nodes (the third moment
+    # where the first does not decide, the candidates of a case only at its
+    # nodes): they are summed over those nodes' edges alone (per node the same
+    # sums, in the same order, as over all edges), the rest stays zero.
+    def edges_of(sel: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The nodes of ``sel [N]``, their edges' offsets and local targets."""
+        nodes = sel.nonzero().squeeze(1)
+        local = torch.full((n,), -1, dtype=torch.long, device=dev)
+        local[nodes] = torch.arange(nodes.numel(), device=dev)
+        edges = sel[dst].nonzero().squeeze(1)
+        return nodes, d[edges], local[dst[edges]]
 
-    def orient(u: Tensor) -> Tuple[Tensor, Tensor]:
-        """``u`` signed by the first decisive moment, and whether one was."""
-        first, third, cen = (mean * u).sum(-1), cubic(u), (g * u).sum(-1)
-        ok1, ok3 = first.abs() > thr_first, third.abs() > thr_cubic
+    def mean_on(nodes: Tensor, local: Tensor, values: Tensor) -> Tensor:
+        out = torch.zeros(nodes.numel(), *values.shape[1:], dtype=dtype, device=dev)
+        return out.index_add_(0, local, values) / deg[nodes].view(
+            -1, *([1] * (values.dim() - 1)))
+
+    def cubic(u: Tensor, sel: Tensor) -> Tensor:  # mean_j <d_j, u>^3 at sel, else 0
+        nodes, d_s, local = edges_of(sel)
+        out = torch.zeros(n, dtype=dtype, device=dev)
+        out[nodes] = mean_on(nodes, local, (d_s * u[nodes][local]).sum(-1) ** 3)
+        return out
+
+    def orient(u: Tensor, used: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``u`` signed by the first decisive moment, and whether one was (at the
+        nodes ``used``; elsewhere the result is not read)."""
+        first, cen = (mean * u).sum(-1), (g * u).sum(-1)
+        ok1 = first.abs() > thr_first
+        third = cubic(u, ~ok1 if used is None else used & ~ok1)
+        ok3 = third.abs() > thr_cubic
         okg = cen.abs() > thr_centroid
         value = torch.where(ok1, first, torch.where(ok3, third, torch.where(okg, cen, 1.0)))
         sign = torch.where(value < 0, -1.0, 1.0).to(dtype)
         return u * sign[:, None], ok1 | ok3 | okg
 
-    def pick(proj: Tensor) -> Tuple[Tensor, Tensor]:
-        """The first decisive candidate vector projected by ``proj [N, 3, 3]``."""
-        pd = (proj[dst] @ d.unsqueeze(-1)).squeeze(-1)  # [E, 3]
-        cand_cubic = edge_mean(pd.pow(2).sum(-1, keepdim=True) * pd)
+    def pick(proj: Tensor, sel: Tensor) -> Tuple[Tensor, Tensor]:
+        """The first decisive candidate vector projected by ``proj [N, 3, 3]``
+        (at the nodes ``sel``; zero and not found elsewhere)."""
+        nodes, d_s, local = edges_of(sel)
+        pd = (proj[nodes][local] @ d_s.unsqueeze(-1)).squeeze(-1)  # [E_sel, 3]
+        cand_cubic = torch.zeros_like(mean)
+        cand_cubic[nodes] = mean_on(nodes, local, pd.pow(2).sum(-1, keepdim=True) * pd)
         vec = torch.zeros_like(mean)
         found = torch.zeros(n, dtype=torch.bool, device=dev)
         for c, thr in (((proj @ mean.unsqueeze(-1)).squeeze(-1), thr_first),
                        (cand_cubic, thr_cubic),
                        ((proj @ g.unsqueeze(-1)).squeeze(-1), thr_centroid)):
-            take = ~found & (c.norm(dim=-1) > thr)
+            take = sel & ~found & (c.norm(dim=-1) > thr)
             vec = torch.where(take[:, None], c, vec)
             found = found | take
         return _unit(vec, found), found
@@ -390,24 +416,24 @@ def oriented_frames(pos: Tensor, edge_index: Tensor, batch: Optional[Tensor] = N
     outer = lambda a, b: a.unsqueeze(-1) * b.unsqueeze(-2)  # noqa: E731
     cross = torch.linalg.cross
 
-    # Case "distinct": three lines.
-    x1, ok1 = orient(u1)
-    x2, ok2 = orient(u2)
-    x3, ok3 = orient(u3)
-    # Case "plane on top" (lambda1 ~ lambda2): e1 picked in span(u1, u2).
-    v, okv = pick(outer(u1, u1) + outer(u2, u2))
-    w2, okw2 = orient(_unit(cross(u3, v), okv))
-    # Case "line on top" (lambda2 ~ lambda3): e2 picked in span(u2, u3).
-    vl, okvl = pick(outer(u2, u2) + outer(u3, u3))
-    w3, okw3 = orient(_unit(cross(u1, vl), okvl))
-    # Case "isotropic": e1 and e2 picked from the candidates.
-    eye = torch.eye(3, dtype=dtype, device=dev).expand(n, 3, 3)
-    vi1, oki1 = pick(eye)
-    vi2, oki2 = pick(eye - outer(vi1, vi1))
-
     case_p = deg12 & ~deg23
     case_l = ~deg12 & deg23
     case_i = deg12 & deg23
+
+    # Case "distinct": three lines (x1, x2 also make the ambiguous nodes' fallback).
+    x1, ok1 = orient(u1)
+    x2, ok2 = orient(u2)
+    x3, ok3 = orient(u3, ~case_l & ~case_i)
+    # Case "plane on top" (lambda1 ~ lambda2): e1 picked in span(u1, u2).
+    v, okv = pick(outer(u1, u1) + outer(u2, u2), case_p)
+    w2, okw2 = orient(_unit(cross(u3, v), okv), case_p)
+    # Case "line on top" (lambda2 ~ lambda3): e2 picked in span(u2, u3).
+    vl, okvl = pick(outer(u2, u2) + outer(u3, u3), case_l)
+    w3, okw3 = orient(_unit(cross(u1, vl), okvl), case_l)
+    # Case "isotropic": e1 and e2 picked from the candidates.
+    eye = torch.eye(3, dtype=dtype, device=dev).expand(n, 3, 3)
+    vi1, oki1 = pick(eye, case_i)
+    vi2, oki2 = pick(eye - outer(vi1, vi1), case_i)
 
     def choose(a, b, c, d_):  # per node: distinct / plane / line / isotropic
         out = torch.where(case_p.view(-1, *([1] * (a.dim() - 1))), b, a)
