@@ -9,7 +9,9 @@ rotation-invariant *transport* model, only the same invariant input). One traini
 what the ModelNet10 table times per mini-batch: the model's forward from positions with
 the kNN graph and frames given (as the table's aligned training encodes them once; the
 pair features and node features are derived inside every forward), the loss, the
-backward and an Adam step, on real ModelNet10 training shapes. Steps are timed
+backward and an Adam step, on real ModelNet10 training shapes. With ``--encode`` a step
+starts from the positions alone, as under the table's SO3 training (the kNN graph, the
+frames and the features computed in every forward, for both models). Steps are timed
 round-robin (``common.interleaved_median_times``), so load on a shared machine slows
 both alike; the wall time of a step with one thread is the table's CPU time per step.
 
@@ -17,6 +19,7 @@ Examples::
 
     python benchmarks/bench_geometric.py --data-dir ../shared/data
     python benchmarks/bench_geometric.py --threads 2 --batch-size 32 --out results/geo.json
+    python benchmarks/bench_geometric.py --encode --out results/geo_encode.json
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
                         help="distinct training mini-batches cycled through")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--encode", action="store_true",
+                        help="compute the kNN graph and frames in every step (SO3 training)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -81,7 +86,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
            "max_test": 1}
     pos, y = mt.base_sets(str(path), cfg)["train"]
     models = {"QSVGeometric": QSVGeometric(10), "GATConv in place": gat_twin(10)}
-    shapes = mt.encode(models["QSVGeometric"], pos, y)
+    shapes = ({"pos": pos.float(), "y": y} if args.encode
+              else mt.encode(models["QSVGeometric"], pos, y))
     batches = [torch.arange(i * args.batch_size, min((i + 1) * args.batch_size, y.numel()))
                for i in range(args.batches)]
     batches = [b for b in batches if b.numel()]
@@ -107,7 +113,7 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
              "cpu_s_per_epoch_est": t * (3592 / args.batch_size)}
             for name, t in times.items()]
     payload = {"machine": machine_info(torch.device("cpu")), "threads": args.threads,
-               "batch_size": args.batch_size, "points": args.points,
+               "batch_size": args.batch_size, "points": args.points, "encode": args.encode,
                "k": models["QSVGeometric"].k, "command": " ".join(sys.argv), "rows": rows}
     print(f"{'model':<18} {'params':>8} {'ms/step':>9} {'÷ GAT':>6} {'s/epoch est':>12}")
     for r in rows:

@@ -112,3 +112,16 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert all(isinstance(c.conv, GATConv) and c.conv.lin_edge is not None for c in twin.convs)
     assert 0.98 < rows["GATConv in place"]["params"] / rows["QSVGeometric"]["params"] < 1.0
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == payload["rows"]
+    # --encode: every step starts from the positions (SO3 training), for both models
+    calls = []
+    real = bench_geometric.QSVGeometric.geometry
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_geometric.QSVGeometric, "geometry",
+                   lambda self, *args, **kw: calls.append(args[2:3] + tuple(kw.values()))
+                   or real(self, *args, **kw))
+        enc = bench_geometric.main(["--data-dir", str(tmp_path), "--dataset", "Toy",
+                                    "--points", "24", "--batch-size", "4", "--batches", "2",
+                                    "--repeats", "1", "--encode"])
+    assert enc["encode"] and not payload["encode"]
+    # the graph and frames built inside, in every step (none passed in)
+    assert calls and all(all(a is None for a in given) for given in calls)
