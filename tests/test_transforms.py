@@ -255,6 +255,31 @@ def test_transforms_inside_compose_give_invariant_features():
     assert batch.frame.shape == (120, 3, 3) and batch.edge_index.max() == 119
 
 
+def test_random_axis_scale_draws_a_factor_per_axis_every_call_and_composes():
+    """The recipe's augmentation as a PyG transform: each axis scaled by its own
+    factor in ``scales``, a fresh draw per call; then the invariant pipeline."""
+    torch.manual_seed(0)
+    pos = blob(120).float()
+    aug = QT.RandomAxisScale()
+    assert aug.scales == QT.AXIS_SCALES == (2 / 3, 3 / 2)
+    draws = torch.stack([aug(Data(pos=pos.clone())).pos[0] / pos[0] for _ in range(50)])
+    lo, hi = QT.AXIS_SCALES
+    assert draws.ge(lo - 1e-6).all() and draws.le(hi + 1e-6).all()
+    assert draws.std(0).gt(0.1).all()  # fresh factors every call, on every axis
+    assert (draws[:, 0] - draws[:, 1]).abs().max() > 0.1  # not one factor for all axes
+    out = aug(Data(pos=pos.clone())).pos
+    torch.testing.assert_close(out / pos, (out / pos)[:1].expand_as(pos), rtol=1e-5, atol=0)
+    pipeline = T.Compose([QT.RandomAxisScale((0.5, 2.0)), QT.NormalizeRadius(),
+                          QT.KNNGraph(k=8), QT.LocalFrames()])
+    data = pipeline(Data(pos=pos.clone()))
+    assert data.pos.norm(dim=-1).max() < 1 and data.frame.shape == (120, 3, 3)
+    for bad in [(0.0, 1.0), (2.0, 1.0), (1.0,), "ab", (1.0, float("inf"))]:
+        with pytest.raises(ValueError, match="RandomAxisScale: scales"):
+            QT.RandomAxisScale(bad)
+    with pytest.raises(ValueError, match="RandomAxisScale: data has no pos"):
+        aug(Data(x=torch.ones(3, 1)))
+
+
 def test_transform_errors_name_what_is_missing():
     with pytest.raises(ValueError, match="LocalFrames: data has no edge_index"):
         QT.LocalFrames()(Data(pos=blob(10)))

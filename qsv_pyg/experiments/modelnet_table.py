@@ -73,6 +73,7 @@ import torch
 from torch import Tensor
 
 from ..training.run_files import atomic_write, write_csv, write_json, write_text
+from ..transforms import AXIS_SCALES
 from .units import (NUMBER, add_data_dir_arg, check_folder, fail, finished_unit, read_units,
                     run_in_workers, run_unit)
 
@@ -159,7 +160,7 @@ def _ablations() -> List[Tuple[str, Dict[str, Any]]]:
 #: ``--points`` of its points are drawn afresh (PyG's examples resample through
 #: ``SamplePoints`` on every access); then rotated as the protocol says.
 AUGMENTATIONS = ("resample+scale",)
-SCALE_RANGE = (2.0 / 3.0, 3.0 / 2.0)
+SCALE_RANGE = AXIS_SCALES  # qsv_pyg.transforms.RandomAxisScale's default
 
 #: name -> (family, model kwargs, train protocols, seeds in the full table,
 #: ablation). Table order.

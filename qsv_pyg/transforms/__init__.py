@@ -11,6 +11,9 @@ compose with PyG's own (:class:`~torch_geometric.transforms.Compose`,
     transform = T.Compose([QT.NormalizeRadius(), QT.KNNGraph(k=20),
                            QT.LocalFrames(), QT.InvariantFeatures()])
 
+* :class:`RandomAxisScale`: the training augmentation of the recommended recipe
+  (a fresh factor per axis in every call; put it in ``transform``, not
+  ``pre_transform``);
 * :class:`NormalizeRadius`: centre and scale to the unit ball, a rotation-invariant
   :class:`~torch_geometric.transforms.NormalizeScale` (which divides by the
   largest *coordinate*, so its scale changes when the cloud rotates);
@@ -47,7 +50,11 @@ from qsv_pyg.transforms.functional import (
     point_pair_features,
 )
 
-__all__ = ["NormalizeRadius", "KNNGraph", "LocalFrames", "InvariantFeatures", "functional",
+#: :class:`RandomAxisScale`'s default interval: the DGCNN recipe's anisotropic
+#: scaling, which the ModelNet10 table's augmented rows use (``SCALE_RANGE``).
+AXIS_SCALES = (2.0 / 3.0, 3.0 / 2.0)
+
+__all__ = ["RandomAxisScale", "AXIS_SCALES", "NormalizeRadius", "KNNGraph", "LocalFrames", "InvariantFeatures", "functional",
            "NODE_FEATURES", "EDGE_FEATURES"]
 
 
@@ -55,6 +62,48 @@ def _need(data: Data, names, transform: str, hint: str) -> None:
     missing = [name for name in names if getattr(data, name, None) is None]
     if missing:
         raise ValueError(f"{transform}: data has no {', '.join(missing)} ({hint})")
+
+
+class RandomAxisScale(BaseTransform):
+    r"""Scales each axis of ``data.pos`` by its own factor, drawn uniformly
+    from ``scales`` at every call (an anisotropic
+    :class:`~torch_geometric.transforms.RandomScale`, which draws one factor
+    for all axes, and that :class:`NormalizeRadius` would undo).
+
+    The augmentation of the recipe that validation chose for
+    :class:`~qsv_pyg.nn.models.QSVGeometric` on ModelNet10 (with a fresh draw
+    of the points every epoch, e.g. :class:`~torch_geometric.transforms.SamplePoints`
+    in ``transform``; docs/real_benchmarks.md, "Augmented rows"): an invariant
+    model gains nothing from random rotations, but a shape stretched along its
+    own axes is a new shape. The axes are the coordinates as given, so apply it
+    before any rotation, then :class:`NormalizeRadius`, then :class:`KNNGraph`
+    and :class:`LocalFrames`.
+
+    Args:
+        scales: ``(low, high)`` with ``0 < low <= high`` (default
+            :data:`AXIS_SCALES`, ``(2/3, 3/2)``).
+    """
+
+    def __init__(self, scales=AXIS_SCALES) -> None:
+        try:
+            low, high = (float(v) for v in scales)
+        except (TypeError, ValueError):
+            raise ValueError(f"RandomAxisScale: scales must be a pair (low, high), "
+                             f"got {scales!r}") from None
+        if not (0 < low <= high < float("inf")):
+            raise ValueError(f"RandomAxisScale: scales must satisfy 0 < low <= high, "
+                             f"got {scales!r}")
+        self.scales = (low, high)
+
+    def forward(self, data: Data) -> Data:
+        _need(data, ["pos"], "RandomAxisScale", "a point cloud needs data.pos")
+        low, high = self.scales
+        factor = low + (high - low) * torch.rand(data.pos.size(-1), device=data.pos.device)
+        data.pos = data.pos * factor.to(data.pos.dtype)
+        return data
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.scales})"
 
 
 class NormalizeRadius(BaseTransform):
