@@ -4,20 +4,31 @@ Timings are medians of repeats after warm-up, with CUDA synchronisation when the
 device is a GPU. Memory: the bytes autograd saves for backward, the activation
 memory that dominates a layer's training footprint, counted with saved-tensor
 hooks on every device; on CUDA also the allocator's peak.
+
+Importing this module puts the checkout that holds it first on ``sys.path`` (the
+scripts import it before ``qsv_pyg``): a script run from another checkout (a
+worktree at an older commit, for an A/B) then times that checkout's package, not
+the installed one (an editable install would otherwise win, and both sides of the
+A/B would time the same code).
 """
 from __future__ import annotations
 
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Callable, Dict
 
-import torch
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[:1] != [CHECKOUT]:
+    sys.path.insert(0, CHECKOUT)
 
-from qsv_pyg.training import run_files
-from qsv_pyg.utils import cpu_name
-from qsv_pyg.utils import resolve_device  # noqa: F401  (the scripts import it from here)
+import torch  # noqa: E402
+
+from qsv_pyg.training import run_files  # noqa: E402
+from qsv_pyg.utils import cpu_name  # noqa: E402
+from qsv_pyg.utils import resolve_device  # noqa: E402,F401  (the scripts import it from here)
 
 
 def sync(device: torch.device) -> None:

@@ -1,10 +1,14 @@
 """Smoke tests of the benchmark scripts: tiny sizes, no timing assertions."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import BENCHMARKS, load_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = str(BENCHMARKS)
 bench_conv = load_benchmark("bench_conv")
@@ -125,3 +129,25 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert enc["encode"] and not payload["encode"]
     # the graph and frames built inside, in every step (none passed in)
     assert calls and all(all(a is None for a in given) for given in calls)
+
+
+def test_a_benchmark_run_from_another_checkout_imports_that_checkout(tmp_path):
+    """An A/B runs each side's scripts from its own checkout (a worktree): common.py
+    puts that checkout first on sys.path, so the installed (editable) package does
+    not stand in for it. A copy of the package marked as another checkout is the one
+    a script beside it imports, even when this checkout is on PYTHONPATH."""
+    import shutil
+    import subprocess
+    import sys
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "qsv_pyg", other / "qsv_pyg",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    (other / "benchmarks").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "common.py", other / "benchmarks" / "common.py")
+    script = other / "benchmarks" / "which.py"
+    script.write_text("import common\nimport qsv_pyg\nprint(qsv_pyg.__file__)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).resolve() == (other / "qsv_pyg" / "__init__.py").resolve()
