@@ -414,6 +414,9 @@ def test_torchrun_two_processes_gloo(data_dir, tmp_path):
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
+        # torchrun starts each worker in its own session: kill them by their run
+        # folder (in their command line) before torchrun's group
+        subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
         os.killpg(proc.pid, signal.SIGKILL)
         try:  # bounded: a worker that left the group keeps the pipes open (seen once)
             stdout, stderr = proc.communicate(timeout=10)
