@@ -320,9 +320,14 @@ def oriented_frames(pos: Tensor, edge_index: Tensor, batch: Optional[Tensor] = N
     count = torch.zeros(n, dtype=dtype, device=dev).index_add_(0, dst, torch.ones_like(d[:, 0]))
     deg = count.clamp_min(1)
 
-    def edge_mean(values: Tensor) -> Tensor:
-        out = torch.zeros(n, *values.shape[1:], dtype=dtype, device=dev)
-        return out.index_add_(0, dst, values) / deg.view(n, *([1] * (values.dim() - 1)))
+    def edge_mean(values: Tensor, targets: Tensor = dst,
+                  nodes: Optional[Tensor] = None) -> Tensor:
+        """Per-target mean of edge ``values``; with ``nodes``, only over those
+        targets (``targets`` then local indices into ``nodes``)."""
+        degree = deg if nodes is None else deg[nodes]
+        out = torch.zeros(degree.numel(), *values.shape[1:], dtype=dtype, device=dev)
+        return out.index_add_(0, targets, values) / degree.view(
+            -1, *([1] * (values.dim() - 1)))
 
     mean = edge_mean(d)
     second = edge_mean(d.unsqueeze(-1) * d.unsqueeze(-2))
@@ -371,15 +376,10 @@ def oriented_frames(pos: Tensor, edge_index: Tensor, batch: Optional[Tensor] = N
         edges = sel[dst].nonzero().squeeze(1)
         return nodes, d[edges], local[dst[edges]]
 
-    def mean_on(nodes: Tensor, local: Tensor, values: Tensor) -> Tensor:
-        out = torch.zeros(nodes.numel(), *values.shape[1:], dtype=dtype, device=dev)
-        return out.index_add_(0, local, values) / deg[nodes].view(
-            -1, *([1] * (values.dim() - 1)))
-
     def cubic(u: Tensor, sel: Tensor) -> Tensor:  # mean_j <d_j, u>^3 at sel, else 0
         nodes, d_s, local = edges_of(sel)
         out = torch.zeros(n, dtype=dtype, device=dev)
-        out[nodes] = mean_on(nodes, local, (d_s * u[nodes][local]).sum(-1) ** 3)
+        out[nodes] = edge_mean((d_s * u[nodes][local]).sum(-1) ** 3, local, nodes)
         return out
 
     def orient(u: Tensor, used: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -400,7 +400,7 @@ def oriented_frames(pos: Tensor, edge_index: Tensor, batch: Optional[Tensor] = N
         nodes, d_s, local = edges_of(sel)
         pd = (proj[nodes][local] @ d_s.unsqueeze(-1)).squeeze(-1)  # [E_sel, 3]
         cand_cubic = torch.zeros_like(mean)
-        cand_cubic[nodes] = mean_on(nodes, local, pd.pow(2).sum(-1, keepdim=True) * pd)
+        cand_cubic[nodes] = edge_mean(pd.pow(2).sum(-1, keepdim=True) * pd, local, nodes)
         vec = torch.zeros_like(mean)
         found = torch.zeros(n, dtype=torch.bool, device=dev)
         for c, thr in (((proj @ mean.unsqueeze(-1)).squeeze(-1), thr_first),
