@@ -213,9 +213,15 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     torch.set_num_threads(1)
     _write_npz(tmp_path / "data", shapes=24)
     out = tmp_path / "out"
-    rows = M.main(_args(tmp_path / "data", out, "--rows", "long", "--seeds", "1",
-                        "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
-    assert set(rows) == set(M.LONG_ROWS) == {"QSV-geometric augmented long"}
+    assert set(M.LONG_ROWS) == {"QSV-geometric augmented long", "DGCNN augmented long",
+                                "PointNet++ augmented long"}
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
+                        "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
+    assert set(rows) == {"QSV-geometric augmented long"}
+    assert M.select_rows("long") == list(M.LONG_ROWS)
+    # the controls at the long budget are the augmented controls again (equal CPU time)
+    for name in ("DGCNN augmented long", "PointNet++ augmented long"):
+        assert M.ROWS[name][:3] == M.ROWS[name[:-len(" long")]][:3]
     unit = out / "Toy" / "qsv-geometric-augmented-long" / "so3" / "seed0"
     cfg = json.loads((unit / "config.json").read_text())
     assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"
