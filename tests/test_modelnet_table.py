@@ -226,6 +226,6 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     cfg = json.loads((unit / "config.json").read_text())
     assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"
     assert json.loads((unit / "metrics.json").read_text())["cpu_seconds_train"] < 50
-    assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 2)
+    assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 3)
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))

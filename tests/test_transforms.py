@@ -345,6 +345,83 @@ def test_knn_graph_has_exactly_k_per_target_with_duplicates_and_batches():
         knn_graph(pos, 20, batch)
 
 
+def _knn_cloud_by_cloud(pos, k, batch, loop=False):
+    from qsv_pyg.geometry.knn import knn_within
+    parts = []
+    for b in batch.unique():
+        idx = (batch == b).nonzero().view(-1)
+        parts.append(idx[knn_within(pos[idx].double(), k, loop=loop)])
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_knn_graph_searches_all_clouds_at_once_with_the_same_graph(loop, monkeypatch):
+    """knn_graph's one search over all clouds (geometry.knn.knn_batched) gives
+    the graph of the search cloud by cloud, on integer lattices (exact ties
+    everywhere, duplicates) of uneven cloud sizes, and a sorted batch takes it."""
+    import qsv_pyg.geometry.knn as K
+    pytest.importorskip("torch_cluster")
+    calls = []
+    batched = K.knn_batched
+    monkeypatch.setattr(QT.functional, "knn_batched",
+                        lambda *a, **kw: calls.append(batched(*a, **kw)) or calls[-1])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        sizes = torch.randint(4, 30, (4,), generator=g)
+        pos = torch.randint(0, 3, (int(sizes.sum()), 3), generator=g).double()
+        batch = torch.arange(4).repeat_interleave(sizes)
+        for k in (1, 3):
+            assert torch.equal(knn_graph(pos, k, batch, loop=loop),
+                               _knn_cloud_by_cloud(pos, k, batch, loop))
+    assert any(c is not None for c in calls)  # the batched path ran (not only fallbacks)
+    # a real-looking cloud: always batched
+    pos, batch = torch.cat([blob(40), blob(50, 3)]), torch.repeat_interleave(
+        torch.arange(2), torch.tensor([40, 50]))
+    calls.clear()
+    assert torch.equal(knn_graph(pos, 8, batch, loop=loop),
+                       _knn_cloud_by_cloud(pos, 8, batch, loop))
+    assert calls[-1] is not None
+
+
+def test_knn_graph_unsorted_batch_and_small_clouds_go_cloud_by_cloud():
+    import qsv_pyg.geometry.knn as K
+    pytest.importorskip("torch_cluster")
+    pos = torch.cat([blob(20), blob(20, 4)])
+    batch = torch.arange(2).repeat(20)  # interleaved clouds
+    assert K.knn_batched(pos, 5, batch) is None
+    assert torch.equal(knn_graph(pos, 5, batch), _knn_cloud_by_cloud(pos, 5, batch))
+    small = torch.repeat_interleave(torch.arange(2), torch.tensor([6, 34]))
+    assert K.knn_batched(pos, 5, small) is None  # k + 2 candidates reach cloud 0's 6 points
+    assert torch.equal(knn_graph(pos, 5, small), _knn_cloud_by_cloud(pos, 5, small))
+
+
+def test_point_pair_features_bipartite_with_ambiguous_endpoints():
+    """The columns as written in the docstring (R^T d/|d| at each end, the
+    normals' cosine), zero blocks at ambiguous ends, on a bipartite graph with
+    a coincident pair."""
+    g = torch.Generator().manual_seed(3)
+    pos_s, pos_d = torch.randn(12, 3, generator=g, dtype=F64), torch.randn(5, 3, generator=g,
+                                                                         dtype=F64)
+    pos_d[0] = pos_s[2]  # d = 0 on the edge 2 -> 0
+    fs = quaternion_to_matrix(random_unit_quaternion(12, generator=g, dtype=F64))
+    fd = quaternion_to_matrix(random_unit_quaternion(5, generator=g, dtype=F64))
+    amb_s, amb_d = torch.zeros(12, dtype=torch.bool), torch.zeros(5, dtype=torch.bool)
+    amb_s[[1, 7]], amb_d[3] = True, True
+    ei = torch.stack([torch.randint(0, 12, (40,), generator=g),
+                      torch.randint(0, 5, (40,), generator=g)])
+    ei[:, 0] = torch.tensor([2, 0])
+    e = point_pair_features(pos_s, ei, fs, amb_s, pos_d, fd, amb_d)
+    d = pos_s[ei[0]] - pos_d[ei[1]]
+    dist = d.norm(dim=1, keepdim=True)
+    u = torch.where(dist > 0, d / dist.clamp_min(1e-300), torch.zeros_like(d))
+    want_d = torch.einsum("eba,eb->ea", fd[ei[1]], u) * ~amb_d[ei[1], None]
+    want_s = torch.einsum("eba,eb->ea", fs[ei[0]], u) * ~amb_s[ei[0], None]
+    cos = (fs[ei[0], :, 2] * fd[ei[1], :, 2]).sum(1, keepdim=True) * \
+        ~(amb_s[ei[0]] | amb_d[ei[1]])[:, None]
+    torch.testing.assert_close(e, torch.cat([dist, want_d, want_s, cos], 1), rtol=0, atol=1e-15)
+    assert e.shape == (40, 8) and (e[0, 1:7] == 0).all() and e[0, 0] == 0
+
+
 def test_farthest_point_sampling_breaks_exact_ties_by_index():
     """On a symmetric cloud every choice is a tie; after a rotation the rounding
     differs, the choice does not."""

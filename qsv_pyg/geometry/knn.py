@@ -33,7 +33,7 @@ Because of the fixed layout, :func:`dense_neighbors` can view such an
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ try:
 except ImportError:  # e.g. a GPU image without it: exact brute force instead
     torch_cluster = None
 
-__all__ = ["knn_within", "knn_cross", "dense_neighbors"]
+__all__ = ["knn_within", "knn_cross", "knn_batched", "dense_neighbors"]
 
 # torch_cluster's CUDA kernel keeps its candidate list in registers and refuses k > 100.
 _CUDA_MAX_K = 100
@@ -72,16 +72,19 @@ def _check_k(k: int, num_candidates: int, fn: str, what: str) -> None:
         )
 
 
-def _candidates(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
+def _candidates(src: Tensor, dst: Tensor, k_query: int,
+                batch: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """``[N_dst, k_query]`` indices into :obj:`src` that contain the
-    :obj:`k_query` nearest sources of every destination (in some order)."""
+    :obj:`k_query` nearest sources of every destination (in some order); with
+    ``batch`` (sorted cloud ids of the sources and of the destinations, every
+    cloud with more than ``k_query`` sources), the nearest of its own cloud."""
     n_src, n_dst = src.size(0), dst.size(0)
-    if k_query >= n_src:
+    if batch is None and k_query >= n_src:
         # Every source is a candidate; cheaper and simpler than a search.
         return torch.arange(n_src, device=src.device).expand(n_dst, n_src)
-    if torch_cluster is None or (src.is_cuda and k_query > _CUDA_MAX_K):
+    if batch is None and (torch_cluster is None or (src.is_cuda and k_query > _CUDA_MAX_K)):
         return _candidates_brute_force(src, dst, k_query)
-    row, col = torch_cluster.knn(src, dst, k_query)  # row: dst index, col: src index
+    row, col = torch_cluster.knn(src, dst, k_query, *(batch or ()))  # row: dst, col: src
     if row.numel() != n_dst * k_query:
         raise RuntimeError(
             f"torch_cluster.knn returned {row.numel()} pairs, expected {n_dst} x {k_query}"
@@ -110,7 +113,8 @@ def _candidates_brute_force(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
     return torch.cat(out, dim=0)
 
 
-def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
+def _select(src: Tensor, dst: Tensor, k: int, self_index: bool,
+            batch: Optional[Tuple[Tensor, Tensor, int]] = None) -> Optional[Tensor]:
     r"""Canonical k nearest sources of every destination.
 
     Args:
@@ -120,10 +124,15 @@ def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
         self_index (bool): If :obj:`True`, :obj:`src` and :obj:`dst` are the
             same point set and source :math:`i` is excluded for destination
             :math:`i`.
+        batch (tuple, optional): ``(batch_src, batch_dst, fewest)``: sorted
+            cloud ids and the fewest sources of a cloud; every destination
+            then takes the nearest sources of its own cloud, found in one
+            search over all clouds (:func:`torch_cluster.knn`).
 
     Returns:
         Tensor: :obj:`[N_dst, k]` source indices, each row ordered by
-        (distance, index).
+        (distance, index); with ``batch``, :obj:`None` when a tie would make
+        the search reach a whole cloud (the caller then goes cloud by cloud).
     """
     n_src, n_dst = src.size(0), dst.size(0)
     if n_dst == 0:
@@ -134,7 +143,9 @@ def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
     # One extra candidate to detect a tie at the k-th place, one more for self.
     k_query = min(n_src, k + 1 + int(self_index))
     while True:
-        cand = _candidates(src, dst, k_query)
+        if batch is not None and k_query >= batch[2]:
+            return None
+        cand = _candidates(src, dst, k_query, None if batch is None else batch[:2])
         # Sort by index first, then stably by distance: (distance, index) order.
         cand = torch.sort(cand, dim=-1).values
         dist = (src[cand] - dst.unsqueeze(1)).pow(2).sum(dim=-1)
@@ -156,6 +167,29 @@ def _select(src: Tensor, dst: Tensor, k: int, self_index: bool) -> Tensor:
         k_query = min(n_src, 2 * k_query)
 
     return cand[:, :k]
+
+
+def knn_batched(pos: Tensor, k: int, batch: Tensor, loop: bool = False) -> Optional[Tensor]:
+    r""":func:`knn_within` of every cloud of a batch at once: one candidate
+    search over all clouds (:func:`torch_cluster.knn` with the batch vector)
+    instead of one per cloud, the same graph (the per-cloud (distance, index)
+    order is the global one: the clouds are contiguous). ``pos`` and ``k`` are
+    validated by the caller; :obj:`None` when this path does not apply
+    (no :mod:`torch_cluster`, an unsorted ``batch``, a cloud too small for the
+    search, or ties reaching a whole cloud): go cloud by cloud then.
+
+    Returns:
+        LongTensor or None: ``edge_index [2, N * k]``, global node indices.
+    """
+    n = pos.size(0)
+    if torch_cluster is None or n == 0 or (pos.is_cuda and k + 2 > _CUDA_MAX_K):
+        return None
+    batch = batch.to(pos.device)
+    if not bool((batch[1:] >= batch[:-1]).all()):
+        return None
+    fewest = int(torch.unique_consecutive(batch, return_counts=True)[1].min())
+    nbr = _select(pos, pos, k, self_index=not loop, batch=(batch, batch, fewest))
+    return None if nbr is None else _to_edge_index(nbr)
 
 
 def _to_edge_index(nbr: Tensor) -> Tensor:

@@ -10,13 +10,13 @@ otherwise, and not meant to be differentiated.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from qsv_pyg.geometry.frames import check_finite_positions
-from qsv_pyg.geometry.knn import knn_cross, knn_within
+from qsv_pyg.geometry.knn import knn_batched, knn_cross, knn_within
 
 __all__ = ["NODE_FEATURES", "EDGE_FEATURES", "knn_graph", "knn_bipartite",
            "farthest_point_sampling", "invariant_node_features", "point_pair_features"]
@@ -79,6 +79,12 @@ def knn_graph(pos: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = 
     check_finite_positions(pos, "knn_graph")
     batch = _batch(batch, pos.size(0), pos.device, "knn_graph")
     p = pos.detach().double()
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+        # one search over all clouds (a bad k or a small cloud: the per-cloud
+        # path, which names the cloud)
+        edge_index = knn_batched(p, k, batch, loop=loop)
+        if edge_index is not None:
+            return edge_index
     parts = []
     for b, idx in _clouds(batch):
         try:
@@ -270,16 +276,23 @@ def point_pair_features(pos: Tensor, edge_index: Tensor, frame: Tensor, ambiguou
     frame_dst = frame if frame_dst is None else frame_dst
     ambiguous_dst = ambiguous if ambiguous_dst is None else ambiguous_dst
     src, dst = edge_index[0], edge_index[1]
-    d = pos.detach().double()[src] - pos_dst.detach().double()[dst]
-    dist = d.norm(dim=-1, keepdim=True)
+    # Coordinate-major ([3, E], [9, E]): every product below is one contiguous
+    # vector op (per-edge 3x3 matmuls or sums over a size-3 dimension are
+    # several times slower on CPU).
+    def columns(t: Tensor, index: Tensor) -> Tensor:  # [N, ...] -> [numel / N, E]
+        return t.detach().double().reshape(t.size(0), -1).t().contiguous().index_select(1, index)
+
+    d = columns(pos, src) - columns(pos_dst, dst)  # [3, E]
+    dist = (d[0] * d[0] + d[1] * d[1] + d[2] * d[2]).sqrt()
     unit = torch.where(dist > 0, d / dist.clamp_min(torch.finfo(d.dtype).tiny),
                        torch.zeros_like(d))
-    f_src, f_dst = frame.double()[src], frame_dst.double()[dst]
+    f_src, f_dst = columns(frame, src), columns(frame_dst, dst)  # [9, E]: row b*3+a
     a_src, a_dst = ambiguous.bool()[src], ambiguous_dst.bool()[dst]
-    in_dst = (f_dst.transpose(1, 2) @ unit.unsqueeze(-1)).squeeze(-1)
-    in_src = (f_src.transpose(1, 2) @ unit.unsqueeze(-1)).squeeze(-1)
-    normals = (f_src[..., 2] * f_dst[..., 2]).sum(-1, keepdim=True)
-    in_dst = in_dst.masked_fill(a_dst[:, None], 0.0)
-    in_src = in_src.masked_fill(a_src[:, None], 0.0)
-    normals = normals.masked_fill((a_src | a_dst)[:, None], 0.0)
-    return torch.cat([dist, in_dst, in_src, normals], dim=1)
+
+    def in_frame(f: Tensor, amb: Tensor) -> List[Tensor]:  # R^T u, zero if ambiguous
+        return [(f[a] * unit[0] + f[3 + a] * unit[1] + f[6 + a] * unit[2]).masked_fill_(amb, 0.0)
+                for a in range(3)]
+
+    normals = (f_src[2] * f_dst[2] + f_src[5] * f_dst[5] + f_src[8] * f_dst[8]).masked_fill_(
+        a_src | a_dst, 0.0)
+    return torch.stack([dist, *in_frame(f_dst, a_dst), *in_frame(f_src, a_src), normals], dim=1)
