@@ -229,3 +229,46 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 3)
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_interrupted_unit_resumes_where_its_last_epoch_ended(tmp_path):
+    """Killed in epoch 2 and run again, an augmented SO3 unit continues with
+    epoch 2 as the uninterrupted unit trains it (the same shapes, rotations,
+    scalings, batches and dropout: the generators, RNGs, model and optimiser
+    come back), on the CPU clock where the checkpoint left it."""
+    from qsv_pyg.experiments.units import UnitCheckpoint
+    torch.set_num_threads(1)
+    path = _write_npz(tmp_path / "data", shapes=32)
+    cfg = {"row": "QSV-geometric augmented", "family": "qsv", "model_kwargs": {},
+           "train": "so3", "tests": ["so3"], "seed": 0, "dataset": "Toy", "npz": "toy.npz",
+           "num_classes": 2, "max_train": None, "max_test": None, "points": 24,
+           "batch_size": 8, "lr": 0.01, "budget_cpu_s": 1e7, "threads": 1,
+           "augment": "resample+scale"}
+
+    def run(folder, stop_at, resume=False):
+        records = []
+
+        def log(record):
+            records.append(record)
+            if record["epoch"] == stop_at:
+                raise _Stop
+
+        ckpt = UnitCheckpoint.resume(folder) if resume else UnitCheckpoint(folder)
+        with pytest.raises(_Stop):
+            M.train_unit(cfg, str(path), log, checkpoint=ckpt)
+        return records, ckpt
+
+    whole, _ = run(tmp_path / "a", 3)
+    cut, _ = run(tmp_path / "b", 2)  # epoch 2 logged, not saved: the checkpoint has epoch 1
+    rest, ckpt = run(tmp_path / "b", 3, resume=True)
+    assert ckpt.state["epoch"] == 1 and [r["epoch"] for r in rest] == [2, 3]
+    for a, b in zip(whole[1:], rest):
+        assert a["shapes"] == b["shapes"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6, abs=1e-9)
+        assert b["train_acc"] == a["train_acc"]
+    assert rest[0]["used_cpu_seconds"] > ckpt.state["used_cpu_seconds"]
+    assert rest[0]["train_loss"] != pytest.approx(cut[0]["train_loss"], rel=1e-3)  # not epoch 1

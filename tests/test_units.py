@@ -50,6 +50,56 @@ def test_a_unit_trained_by_a_live_process_is_left_alone(tmp_path, capsys):
     assert not (folder / "run.lock").exists()
 
 
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_resumable_unit_continues_from_its_checkpoint(tmp_path, capsys):
+    """The second run gets the saved state, the log cut back to its epoch (a
+    line logged after the last save is dropped); the finished unit keeps no
+    checkpoint; a damaged checkpoint is named and the unit starts again."""
+    import torch
+    folder = tmp_path / "unit"
+    config = {"row": "X", "seed": 0}
+
+    def first(log, checkpoint):
+        assert checkpoint.state is None
+        log({"epoch": 1})
+        checkpoint.save({"epoch": 1, "w": torch.arange(3.0)})
+        log({"epoch": 2})  # then killed before epoch 2's save
+        raise _Interrupted
+
+    with pytest.raises(_Interrupted):
+        units.run_unit(folder, config, first, resumable=True)
+    assert (folder / units.UNIT_CHECKPOINT).exists() and not (folder / "run.lock").exists()
+
+    def second(log, checkpoint):
+        assert checkpoint.state["epoch"] == 1
+        assert torch.equal(checkpoint.state["w"], torch.arange(3.0))
+        assert (folder / "log.jsonl").read_text() == '{"epoch": 1}\n'
+        log({"epoch": 2})
+        return {"test_acc": 1.0}
+
+    assert units.run_unit(folder, config, second, resumable=True) == {"test_acc": 1.0}
+    assert not (folder / units.UNIT_CHECKPOINT).exists()
+    assert (folder / "log.jsonl").read_text() == '{"epoch": 1}\n{"epoch": 2}\n'
+    # a finished unit is reused; a damaged checkpoint of an unfinished one restarts it
+    assert units.run_unit(folder, config, first, resumable=True) == {"test_acc": 1.0}
+    (folder / "metrics.json").unlink()
+    (folder / units.UNIT_CHECKPOINT).write_bytes(b"not a zip")
+    capsys.readouterr()
+
+    def fresh(log, checkpoint):
+        assert checkpoint.state is None and not (folder / "log.jsonl").exists()
+        return {"test_acc": 0.5}
+
+    assert units.run_unit(folder, config, fresh, resumable=True) == {"test_acc": 0.5}
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and units.UNIT_CHECKPOINT in err and "starts again" in err
+    with pytest.raises(ValueError, match="epoch"):
+        units.UnitCheckpoint(folder).save({"w": 1})
+
+
 def test_a_unit_finished_while_waiting_for_the_lock_is_not_retrained(tmp_path):
     folder = tmp_path / "unit"
     folder.mkdir()

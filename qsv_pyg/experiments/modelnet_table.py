@@ -35,6 +35,11 @@ spent, mid-epoch if need be (that epoch is logged ``partial``). Each epoch's
 log line gives ``planned_epochs``, the epochs the budget holds estimated from
 the epoch times so far (after the first epoch: from its time). Then it is evaluated once on the
 validation split and on the test sets (their time is reported, not budgeted).
+A unit saves its state after every finished epoch (``checkpoint.pt`` in its
+folder, removed when it finishes): run the same command again after an
+interruption and it continues from there on the same CPU clock, with the same
+data order, rotations and augmentations (``resumes`` in ``metrics.json`` counts
+the restarts).
 
 **Data.** ``<data-dir>/<dataset>/*.npz`` (``--data-dir``, else ``$QSV_DATA_DIR``) with ``pos_train [S, N, 3]``,
 ``y_train``, ``pos_test``, ``y_test`` (and ``classes``): ModelNet10 as 1,024
@@ -75,8 +80,8 @@ from torch import Tensor
 
 from ..training.run_files import atomic_write, write_csv, write_json, write_text
 from ..transforms import AXIS_SCALES
-from .units import (NUMBER, add_data_dir_arg, check_folder, fail, finished_unit, read_units,
-                    run_in_workers, run_unit)
+from .units import (NUMBER, UnitCheckpoint, add_data_dir_arg, check_folder, fail,
+                    finished_unit, read_units, run_in_workers, run_unit)
 
 __all__ = ["PUBLISHED", "PUBLISHED_NOTE", "ROWS", "ROW_NAMES", "TESTS", "COLUMNS", "main",
            "report", "train_unit", "stratified_split", "load_arrays", "rotations",
@@ -461,20 +466,30 @@ def cosine(progress: float) -> float:
 
 
 def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], None],
-               progress: bool = False) -> Dict[str, Any]:
+               progress: bool = False, checkpoint: Optional[UnitCheckpoint] = None
+               ) -> Dict[str, Any]:
     """Train one (row, train protocol, seed) unit within its CPU budget, then
-    evaluate it once on the validation split and the test sets."""
+    evaluate it once on the validation split and the test sets.
+
+    With a ``checkpoint`` (:class:`~qsv_pyg.experiments.units.UnitCheckpoint`)
+    the state is saved after every finished epoch (model, optimiser, the
+    generators of order, rotations and augmentation, the global RNGs, the
+    counters and the CPU time used), and a saved state is resumed: the unit
+    continues with the next epoch, on the CPU clock where it stopped (the
+    re-encoding of a resumed aligned unit's fixed inputs is not charged again)."""
     from tqdm.auto import tqdm
 
     from qsv_pyg.models.matching import count_parameters
+    from qsv_pyg.training.checkpoint import capture_rng_state, restore_rng_state
     from qsv_pyg.utils import cpu_name
 
     sets = base_sets(path, cfg)  # common preprocessing: before the unit's clock
     start_cpu, start_wall = time.process_time(), time.time()
     budget = float(cfg["budget_cpu_s"])
+    offset = 0.0  # CPU seconds used before a resume
 
     def used() -> float:
-        return time.process_time() - start_cpu
+        return time.process_time() - start_cpu + offset
 
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg["row"], cfg["num_classes"])
@@ -491,10 +506,24 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
         if cfg["train"] == "aligned" and augment is None else None
     encode_seconds = used()
     planned_epochs: Optional[int] = None
-    step = epoch = shapes_seen = 0
-    prog = 0.0
+    step = epoch = shapes_seen = resumes = 0
+    prog = wall_before = 0.0
     epoch_seconds: List[float] = []
     stats: Dict[str, float] = {}
+    generators = {"order": order_gen, "rot": rot_gen, "aug": aug_gen}
+    saved = checkpoint.state if checkpoint is not None else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        for name, gen in generators.items():
+            gen.set_state(saved["generators"][name])
+        restore_rng_state(saved["rng"])
+        step, epoch, shapes_seen = saved["step"], saved["epoch"], saved["shapes_seen"]
+        prog, planned_epochs = saved["progress"], saved["planned_epochs"]
+        epoch_seconds, stats = list(saved["epoch_seconds"]), dict(saved["stats"])
+        encode_seconds, wall_before = saved["encode_seconds"], saved["wall_seconds"]
+        resumes = saved["resumes"] + 1
+        offset = saved["used_cpu_seconds"] - (time.process_time() - start_cpu)
     bar = tqdm(desc=f"{cfg['row']} {cfg['train']} s{cfg['seed']}", total=int(budget),
                unit="cpu-s", leave=False, disable=not progress)
     stopped = False
@@ -543,6 +572,15 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
              "train_loss": stats["loss"], "train_acc": stats["acc"], "cpu_seconds": seconds,
              "used_cpu_seconds": used(), "lr": optimizer.param_groups[0]["lr"],
              "progress": prog, "planned_epochs": planned_epochs})
+        if checkpoint is not None and not stopped and used() < budget:
+            checkpoint.save({
+                "epoch": epoch, "step": step, "shapes_seen": shapes_seen, "progress": prog,
+                "planned_epochs": planned_epochs, "epoch_seconds": epoch_seconds,
+                "stats": stats, "encode_seconds": encode_seconds, "resumes": resumes,
+                "used_cpu_seconds": used(), "wall_seconds": wall_before + time.time() - start_wall,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "generators": {name: gen.get_state() for name, gen in generators.items()},
+                "rng": capture_rng_state()})
         bar.n = min(int(used()), int(budget))
         bar.refresh()
         if used() >= budget:
@@ -573,7 +611,8 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             else (train_cpu - encode_seconds) * count / max(shapes_seen, 1),
             "eval_cpu_seconds": time.process_time() - t0,
             "train_loss": stats.get("loss"), "train_acc": stats.get("acc"),
-            "wall_seconds": time.time() - start_wall, "model": repr(model),
+            "wall_seconds": wall_before + time.time() - start_wall, "resumes": resumes,
+            "model": repr(model),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "versions": versions()}
 
 
@@ -602,7 +641,8 @@ def run_job(folder: str, cfg: Dict[str, Any], path: str, threads: int,
     torch.set_num_threads(threads)
     if cfg["family"] == "qsv":
         warm_up()
-    metrics = run_unit(Path(folder), cfg, lambda log: train_unit(cfg, path, log, progress))
+    metrics = run_unit(Path(folder), cfg, lambda log, checkpoint: train_unit(
+        cfg, path, log, progress, checkpoint), resumable=True)
     return folder, metrics
 
 

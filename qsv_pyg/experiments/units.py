@@ -10,6 +10,8 @@ Every unit (one model on one seed, fold or protocol) trains in its own folder::
     log.jsonl     one JSON line per epoch
     metrics.json  the unit's results (written last: its presence marks the unit done)
     run.lock      the pid of the process training it (only while it does)
+    checkpoint.pt a resumable unit's state at its last finished epoch (only until
+                  the unit finishes; :data:`UNIT_CHECKPOINT`)
 
 What a user may rely on:
 
@@ -29,6 +31,12 @@ What a user may rely on:
   whose ``config.json`` or ``metrics.json`` is unreadable, not a JSON object,
   or lacks a field the table needs, with one warning line naming the file and
   the field.
+* **Long units resume.** A unit run with ``resumable=True`` saves its state
+  after every finished epoch (atomically, CRC-checked:
+  :mod:`~qsv_pyg.training.checkpoint`); the next run of the same command
+  continues from there, with the log cut back to that epoch, instead of
+  training the unit again. An unreadable checkpoint is named in one warning
+  line and the unit starts again.
 * **A failed unit stops the queue.** :func:`run_in_workers` cancels the units
   not yet started as soon as one fails (the running ones finish).
 """
@@ -48,8 +56,9 @@ from pathlib import Path
 from typing import (Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional,
                     Sequence, Tuple)
 
+from ..training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..training.run_files import (RunFolderError, append_jsonl, clean_stale_temps,
-                                  read_json, write_json)
+                                  read_json, truncate_log, write_json)
 from ..training.run_lock import RunLock
 
 try:
@@ -57,7 +66,8 @@ try:
 except ImportError:  # not POSIX: the cache copy is made without a lock
     fcntl = None
 
-__all__ = ["fail", "check_folder", "finished_unit", "run_unit", "read_units",
+__all__ = ["fail", "check_folder", "finished_unit", "run_unit", "UnitCheckpoint",
+           "UNIT_CHECKPOINT", "read_units",
            "run_in_workers", "source_digest", "dataset_copy", "NUMBER", "DATA_DIR_ENV",
            "default_data_dir", "add_data_dir_arg"]
 
@@ -149,17 +159,62 @@ def finished_unit(folder: Path, config: Dict[str, Any]) -> Optional[Dict[str, An
     return metrics if isinstance(metrics, dict) else None
 
 
-def run_unit(folder: Path, config: Dict[str, Any],
-             train: Callable[[Callable[[Dict[str, Any]], None]], Dict[str, Any]]
-             ) -> Dict[str, Any]:
+#: A resumable unit's checkpoint in its folder.
+UNIT_CHECKPOINT = "checkpoint.pt"
+
+
+class UnitCheckpoint:
+    """What a resumable unit's ``train(log, checkpoint)`` gets: ``state``, the
+    dict it last saved (``None`` on a fresh start), and :meth:`save`.
+
+    ``state`` must hold an int ``"epoch"`` (the finished epochs it covers: the
+    log is cut back to them on resume) and only tensors, state dicts and plain
+    values (it is loaded with ``weights_only=True``). Call :meth:`save` after
+    the epoch's ``log`` line, so that a crash between the two loses no line."""
+
+    def __init__(self, folder: Path, state: Optional[Dict[str, Any]] = None) -> None:
+        self.path = Path(folder) / UNIT_CHECKPOINT
+        self.state = state
+
+    def save(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state.get("epoch"), int):
+            raise ValueError("a unit checkpoint needs an int 'epoch'")
+        save_checkpoint(self.path, state)
+
+    @classmethod
+    def resume(cls, folder: Path) -> "UnitCheckpoint":
+        """The folder's checkpoint; an unreadable one is named in a warning
+        line and removed (the unit then starts again)."""
+        path = Path(folder) / UNIT_CHECKPOINT
+        if not path.exists():
+            return cls(folder)
+        try:
+            state = load_checkpoint(path)
+            if not isinstance(state.get("epoch"), int) or state["epoch"] < 0:
+                raise CheckpointError("it holds no finished epoch count")
+        except (CheckpointError, OSError) as err:
+            print(f"warning: {path}: cannot resume ({' '.join(str(err).split())}); "
+                  f"the unit starts again", file=sys.stderr)
+            path.unlink(missing_ok=True)
+            return cls(folder)
+        return cls(folder, state)
+
+
+def run_unit(folder: Path, config: Dict[str, Any], train: Callable[..., Dict[str, Any]],
+             resumable: bool = False) -> Dict[str, Any]:
     """Train one unit in ``folder`` unless it has finished with ``config``.
 
     ``train(log)`` trains and returns the metrics; it calls ``log(record)`` once
-    per epoch. The folder's lock is held from before the old files are removed
-    until ``metrics.json`` is written: a unit that another live process is
-    training exits 2 (one line naming its pid) and leaves that folder alone.
-    Every file is written atomically (the log appended line by line), so an
-    interrupted unit leaves no torn file and is restarted by the next run.
+    per epoch. With ``resumable``, ``train(log, checkpoint)`` gets a
+    :class:`UnitCheckpoint`: its ``state`` when an earlier run of this unit
+    saved one (the log then holds that run's lines up to the saved epoch), and
+    its ``save`` for every finished epoch; the checkpoint is removed once
+    ``metrics.json`` is written. The folder's lock is held from before the old
+    files are removed until ``metrics.json`` is written: a unit that another
+    live process is training exits 2 (one line naming its pid) and leaves that
+    folder alone. Every file is written atomically (the log appended line by
+    line), so an interrupted unit leaves no torn file and is restarted (or
+    resumed) by the next run.
     """
     folder = Path(folder)
     done = finished_unit(folder, config)
@@ -179,11 +234,21 @@ def run_unit(folder: Path, config: Dict[str, Any],
         if done is not None:
             return done
         clean_stale_temps(folder)
-        for name in ("log.jsonl", "metrics.json"):
-            (folder / name).unlink(missing_ok=True)
-        write_json(folder / "config.json", config)
-        metrics = train(lambda record: append_jsonl(folder / "log.jsonl", record))
+        checkpoint = UnitCheckpoint.resume(folder) if resumable else None
+        if checkpoint is not None and checkpoint.state is not None:
+            truncate_log(folder / "log.jsonl", checkpoint.state["epoch"])
+            (folder / "metrics.json").unlink(missing_ok=True)
+        else:
+            for name in ("log.jsonl", "metrics.json", UNIT_CHECKPOINT):
+                (folder / name).unlink(missing_ok=True)
+            write_json(folder / "config.json", config)
+
+        def log(record: Dict[str, Any]) -> None:
+            append_jsonl(folder / "log.jsonl", record)
+
+        metrics = train(log) if checkpoint is None else train(log, checkpoint)
         write_json(folder / "metrics.json", metrics)
+        (folder / UNIT_CHECKPOINT).unlink(missing_ok=True)
         return metrics
     except RunFolderError as err:  # a full disk, a read-only folder: one line
         fail(str(err))
