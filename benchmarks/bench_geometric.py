@@ -28,6 +28,8 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -35,7 +37,8 @@ from torch import Tensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved_median_times, machine_info, write_json  # noqa: E402
 
-from qsv_pyg.experiments import modelnet_table as mt  # noqa: E402
+from qsv_pyg.experiments import modelnet_data as md  # noqa: E402
+from qsv_pyg.experiments.modelnet_table import DATASET  # noqa: E402
 from qsv_pyg.models.matching import count_parameters  # noqa: E402
 from qsv_pyg.nn.models import QSVGeometric  # noqa: E402
 from qsv_pyg.transforms.functional import EDGE_FEATURES  # noqa: E402
@@ -67,7 +70,7 @@ def gat_twin(num_classes: int) -> QSVGeometric:
 def main(argv: Optional[list] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=os.environ.get("QSV_DATA_DIR", "../shared/data"))
-    parser.add_argument("--dataset", default=mt.DATASET)
+    parser.add_argument("--dataset", default=DATASET)
     parser.add_argument("--points", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=4,
@@ -81,13 +84,13 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    path = mt.find_npz(mt.Path(args.data_dir), args.dataset, None)
+    path = md.find_npz(Path(args.data_dir), args.dataset, None)
     cfg = {"points": args.points, "max_train": args.batch_size * args.batches,
            "max_test": 1}
-    pos, y = mt.base_sets(str(path), cfg)["train"]
+    pos, y = md.base_sets(str(path), cfg)["train"]
     models = {"QSVGeometric": QSVGeometric(10), "GATConv in place": gat_twin(10)}
     shapes = ({"pos": pos.float(), "y": y} if args.encode
-              else mt.encode(models["QSVGeometric"], pos, y))
+              else md.encode(models["QSVGeometric"], pos, y))
     batches = [torch.arange(i * args.batch_size, min((i + 1) * args.batch_size, y.numel()))
                for i in range(args.batches)]
     batches = [b for b in batches if b.numel()]
@@ -102,7 +105,7 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
             idx = batches[state["i"] % len(batches)]
             state["i"] += 1
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(mt.forward(model, shapes, idx), shapes["y"][idx])
+            loss = F.cross_entropy(md.forward(model, shapes, idx), shapes["y"][idx])
             loss.backward()
             opt.step()
         steps[name] = step

@@ -186,7 +186,7 @@ COST = {"QSV-geometric": 17, "QSV xyz": 24, "GAT xyz": 123, "GAT local": 137,
         "Transformer xyz": 94, "Transformer local": 91, "DGCNN": 86, "PointNet++": 79}
 ENCODE_COST = {"frames": 32, "graph": 7, "points": 0}
 # Published context (ModelNet40): one source of truth in the package.
-from qsv_pyg.experiments.modelnet_table import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
+from qsv_pyg.experiments.modelnet_report import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
 
 
 # ------------------------------------------------------------------ data

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from qsv_pyg.experiments import modelnet_data as D
 from qsv_pyg.experiments import modelnet_table as M
+from qsv_pyg.experiments import modelnet_train as T
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,11 +53,11 @@ def tiny(tmp_path_factory):
 
 def test_stratified_split_holds_out_a_tenth_of_every_class():
     y = torch.tensor([0] * 50 + [1] * 30 + [2] * 20)
-    tr, va = M.stratified_split(y)
+    tr, va = D.stratified_split(y)
     assert sorted(torch.bincount(y[va]).tolist()) == [2, 3, 5]
     assert set(tr.tolist()).isdisjoint(va.tolist())
     assert len(tr) + len(va) == 100
-    tr2, va2 = M.stratified_split(y)
+    tr2, va2 = D.stratified_split(y)
     assert torch.equal(va, va2)
 
 
@@ -136,7 +138,7 @@ def test_so3_training_of_the_controls_runs(tmp_path):
 
 
 def test_every_row_builds_and_controls_match_qsv_parameters():
-    target = M._target_params(10)
+    target = T.target_params(10)
     for name in M.ROW_NAMES:
         if M.ROWS[name][0] == "pointnet2":
             continue  # needs torch_cluster only to run, not to build
@@ -161,23 +163,23 @@ def test_precomputed_geometry_gives_the_models_own_logits():
     y = torch.zeros(3, dtype=torch.long)
     idx = torch.arange(3)
     with torch.no_grad():
-        given = M.forward(model, M.encode(model, pos, y), idx)
-        own = M.forward(model, {"pos": pos.float(), "y": y}, idx)
+        given = D.forward(model, D.encode(model, pos, y), idx)
+        own = D.forward(model, {"pos": pos.float(), "y": y}, idx)
     assert torch.allclose(given, own, atol=1e-5), (given - own).abs().max()
 
 
 def test_augment_shapes_rescales_resamples_and_stays_on_the_unit_sphere():
     g = torch.Generator().manual_seed(0)
-    full = M.unit_sphere(torch.randn(5, 64, 3, dtype=torch.float64, generator=g))
-    a = M.augment_shapes(full, 24, torch.Generator().manual_seed(1))
-    b = M.augment_shapes(full, 24, torch.Generator().manual_seed(1))
-    c = M.augment_shapes(full, 24, torch.Generator().manual_seed(2))
+    full = D.unit_sphere(torch.randn(5, 64, 3, dtype=torch.float64, generator=g))
+    a = D.augment_shapes(full, 24, torch.Generator().manual_seed(1))
+    b = D.augment_shapes(full, 24, torch.Generator().manual_seed(1))
+    c = D.augment_shapes(full, 24, torch.Generator().manual_seed(2))
     assert a.shape == (5, 24, 3) and torch.equal(a, b) and not torch.equal(a, c)
     assert a.norm(dim=2).amax(1).le(1 + 1e-12).all()
-    lo, hi = M.SCALE_RANGE
+    lo, hi = D.SCALE_RANGE
     # all points drawn: the scaling is anisotropic and inside the range (the per-axis
     # spreads' ratios to the original's lie within hi/lo of one another)
-    spread_a = M.augment_shapes(full, 64, torch.Generator().manual_seed(3)).std(1)
+    spread_a = D.augment_shapes(full, 64, torch.Generator().manual_seed(3)).std(1)
     ratio = spread_a / full.std(1)
     r = ratio / ratio.amin(1, keepdim=True)
     assert r.le(hi / lo + 1e-9).all() and r.gt(1.01).any()
@@ -194,7 +196,7 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
     assert set(rows) <= set(M.AUGMENTED) and "QSV-geometric augmented" in rows
     cfg = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
                       "config.json").read_text())
-    assert cfg["augment"] == "resample+scale" and cfg["augment"] in M.AUGMENTATIONS
+    assert cfg["augment"] == "resample+scale" and cfg["augment"] in D.AUGMENTATIONS
     metrics = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
                           "metrics.json").read_text())
     assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
@@ -203,7 +205,7 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
         set(M.LONG_ROWS)
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
-        M.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
+        T.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
                      lambda _r: None)
 
 
@@ -259,7 +261,7 @@ def test_an_interrupted_unit_resumes_where_its_last_epoch_ended(tmp_path):
 
         ckpt = UnitCheckpoint.resume(folder) if resume else UnitCheckpoint(folder)
         with pytest.raises(_Stop):
-            M.train_unit(cfg, str(path), log, checkpoint=ckpt)
+            T.train_unit(cfg, str(path), log, checkpoint=ckpt)
         return records, ckpt
 
     whole, _ = run(tmp_path / "a", 3)

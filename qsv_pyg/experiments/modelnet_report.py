@@ -1,0 +1,170 @@
+r"""The ModelNet10 rotation table's report: ``table.{md,csv}``, ``results.json``,
+``accuracy.png`` and ``published_modelnet40.md`` from the finished run folders
+(:mod:`qsv_pyg.experiments.units` reads them; damaged run files are named and left
+out). :mod:`qsv_pyg.experiments.modelnet_table` runs the table and calls
+:func:`report`.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..training.run_files import atomic_write, write_csv, write_json, write_text
+from .modelnet_data import COLUMNS, LABEL, TESTS
+from .units import NUMBER, fail, read_units
+
+__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "collect", "report"]
+
+#: Published context, ModelNet40 (40 classes), NOT ModelNet10:
+#: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
+#: Networks", ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, SO3/SO3) and the
+#: appendix (trained aligned, tested SO3: I/SO3).
+PUBLISHED = [
+    {"model": "PointNet", "z/z": "85.9", "z/SO3": "19.6", "SO3/SO3": "74.7", "I/SO3": "–"},
+    {"model": "DGCNN", "z/z": "90.3", "z/SO3": "33.8", "SO3/SO3": "88.6", "I/SO3": "16.6"},
+    {"model": "VN-PointNet", "z/z": "77.5", "z/SO3": "77.5", "SO3/SO3": "–", "I/SO3": "–"},
+    {"model": "VN-DGCNN", "z/z": "89.5", "z/SO3": "89.5", "SO3/SO3": "90.2", "I/SO3": "90.0"},
+]
+PUBLISHED_NOTE = (
+    "ModelNet40 (40 classes, 1,024 points), NOT ModelNet10: test accuracy (%) from "
+    "Deng et al., Vector Neurons, ICCV 2021 (arXiv:2104.12229), Table 1 (z/z, z/SO3, "
+    "SO3/SO3) and its appendix (I/SO3: trained aligned, tested SO3). The z/SO3 "
+    "column and VN-DGCNN's z/z and SO3/SO3: two independent secondary sources agree "
+    "(notes on the paper, p. 6, and a later paper's copy of Table 1); PointNet's and "
+    "DGCNN's z/z and SO3/SO3, VN-PointNet and the I/SO3 column: one secondary source "
+    "each; none checked against the PDF itself. '–': not checked here.")
+
+
+CONFIG_FIELDS = {"row": str, "train": str, "seed": int, "num_classes": int,
+                 "budget_cpu_s": NUMBER}
+METRICS_FIELDS = {"params": int, "cpu_seconds_per_epoch": NUMBER, "epochs_trained": NUMBER,
+                  "test": dict, "val": NUMBER}
+
+
+def _unit_problem(cfg: Dict[str, Any], metrics: Dict[str, Any]) -> Optional[str]:
+    if cfg["train"] not in TESTS:
+        return f"unknown train protocol {cfg['train']!r} in its config.json"
+    for protocol, acc in metrics["test"].items():
+        if protocol not in TESTS[cfg["train"]]:
+            return f"field 'test' holds an unknown protocol {protocol!r}"
+        if isinstance(acc, bool) or not isinstance(acc, (int, float)):
+            return f"field 'test.{protocol}' is not a number ({type(acc).__name__})"
+    return None
+
+
+def fmt(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> str:
+    """``mean ± std`` (of ``values * scale``); one value alone."""
+    v = [x * scale for x in values if not (isinstance(x, float) and math.isnan(x))]
+    if not v:
+        return "–"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+
+
+def collect(dataset_root: Path, order: Sequence[str] = ()
+            ) -> Tuple[Dict[str, Dict[str, Any]], List[dict]]:
+    """Per row (in ``order``, rows not in it last) its parameters, times, epochs,
+    validation and test accuracies over the finished units; and the units."""
+    rows: Dict[str, Dict[str, Any]] = {}
+    units = []
+    for cfg, metrics in read_units(dataset_root, CONFIG_FIELDS, METRICS_FIELDS,
+                                   keep=lambda c: "budget_cpu_s" in c,
+                                   check=_unit_problem):
+        units.append({"config": cfg, "metrics": metrics})
+        row = rows.setdefault(cfg["row"], {"params": metrics["params"], "time": [],
+                                           "epochs": [], "val": {}, "seeds": set(),
+                                           "budget": set(),
+                                           "columns": {c: [] for c in COLUMNS}})
+        row["time"].append(metrics["cpu_seconds_per_epoch"])
+        row["epochs"].append(metrics["epochs_trained"])
+        row["seeds"].add(cfg["seed"])
+        row["budget"].add(cfg["budget_cpu_s"])
+        row["val"].setdefault(cfg["train"], []).append(metrics["val"])
+        for protocol, acc in metrics["test"].items():
+            row["columns"][f"{LABEL[cfg['train']]}/{LABEL[protocol]}"].append(acc)
+    rank = {name: i for i, name in enumerate(order)}
+    rows = dict(sorted(rows.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+    return rows, units
+
+
+def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    x = np.arange(len(COLUMNS))
+    width = 0.8 / max(len(rows), 1)
+    for i, (name, row) in enumerate(rows.items()):
+        vals = [row["columns"][c] for c in COLUMNS]
+        means = [100 * statistics.fmean(v) if v else np.nan for v in vals]
+        stds = [100 * statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, means, width, yerr=stds, label=name,
+               capsize=2)
+    ax.axhline(100 * chance, ls="--", color="gray", lw=1, label="chance")
+    ax.set_xticks(x, [f"train {c.split('/')[0]}\ntest {c.split('/')[1]}" for c in COLUMNS])
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=9)
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    plt.close(fig)
+
+
+def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[str] = ()
+           ) -> Dict[str, Dict[str, Any]]:
+    """``out_root/table.{md,csv}``, ``results.json`` and ``accuracy.png`` from the
+    finished units under ``out_root/dataset``, rows in ``order``."""
+    out_root = Path(out_root)
+    rows, units = collect(out_root / dataset, order)
+    if not rows:
+        fail(f"no finished units under {out_root / dataset} (run without --report-only)")
+    num_classes = max(u["config"]["num_classes"] for u in units)
+    keys = ("points", "batch_size", "lr", "n_train", "n_val", "n_test")
+    settings = ", ".join(f"{k} " + "/".join(sorted({str(u['config'].get(k)) for u in units}))
+                         for k in keys)
+    budgets = "/".join(f"{b:g}" for b in sorted({u["config"]["budget_cpu_s"] for u in units}))
+    title = (f"{dataset} under rotations at equal CPU time per unit ({budgets} CPU-s, "
+             f"process clock, encoding included): test accuracy (%) after the budget, "
+             f"mean ± std over seeds; {settings}; chance {100 / num_classes:.1f} %")
+    columns = ["model", "params", *COLUMNS, "val aligned", "val SO3", "CPU-s/epoch",
+               "epochs", "budget CPU-s", "seeds"]
+    table = []
+    for name, row in rows.items():
+        cells = {"model": name, "params": f"{row['params']:,}",
+                 "CPU-s/epoch": f"{statistics.fmean(row['time']):.1f}",
+                 "epochs": f"{statistics.fmean(row['epochs']):.1f}",
+                 "budget CPU-s": "/".join(f"{b:g}" for b in sorted(row["budget"])),
+                 "seeds": str(len(row["seeds"])),
+                 "val aligned": fmt(row["val"].get("aligned", [])),
+                 "val SO3": fmt(row["val"].get("so3", []))}
+        for c in COLUMNS:
+            cells[c] = fmt(row["columns"][c])
+        table.append(cells)
+    lines = [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "–")) for c in columns) + " |" for r in table]
+    text = "\n".join(lines) + "\n"
+    try:
+        out_root.mkdir(parents=True, exist_ok=True)
+        write_text(out_root / "table.md", text)
+        write_csv(out_root / "table.csv", columns, table)
+        write_json(out_root / "results.json", {"title": title, "columns": columns,
+                                               "rows": table, "units": units})
+        pub_cols = ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"]
+        pub = [f"### Published context: {PUBLISHED_NOTE}", "",
+               "| " + " | ".join(pub_cols) + " |", "|" + "---|" * len(pub_cols)]
+        pub += ["| " + " | ".join(r[c] for c in pub_cols) + " |" for r in PUBLISHED]
+        write_text(out_root / "published_modelnet40.md", "\n".join(pub) + "\n")
+        plot(out_root / "accuracy.png", rows, 1 / num_classes,
+             f"{dataset}, {budgets} CPU-s per unit; {settings}")
+    except OSError as error:
+        fail(f"cannot write the report under {out_root}: {error}")
+    if not quiet:
+        print("\n" + text)
+    return rows
