@@ -1,7 +1,7 @@
 """TU training epochs of every row of the TU table (:mod:`qsv_pyg.experiments.tu_table`), timed side by side.
 
 The TU table times each unit's epochs while it trains, beside whatever else shares
-the machine. This script builds the same models (``tu_table.build_model`` with the
+the machine. This script builds the same models (``tu_models.build_model`` with the
 table's settings, parameter-matched to QSV) on the same graphs (one-hot degrees for
 IMDB-BINARY, standardised attributes for ENZYMES, as the table) and times one
 training epoch of each over the first fold's training graphs in a fixed batch order
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import summarize  # noqa: E402
 from common import interleaved_median_times, machine_info, write_json  # noqa: E402
-from qsv_pyg.experiments import tu_table as tu_graphs  # noqa: E402
+from qsv_pyg.experiments import tu_data, tu_models, tu_table  # noqa: E402
 from qsv_pyg.experiments.units import add_data_dir_arg  # noqa: E402
 
 ANCHOR = "GAT"
@@ -50,17 +50,17 @@ def training_epoch(model: torch.nn.Module, batches: list, lr: float):
 def bench_dataset(name: str, data_root: Path, cache: Path, rows, repeats: int,
                   min_time: float) -> list:
     from torch_geometric.loader import DataLoader
-    spec = tu_graphs.prepare_dataset(name, data_root, cache, tu_graphs.NODE_ATTRIBUTES)
-    graphs = tu_graphs.load_graphs(spec)
-    split = tu_graphs.make_splits(spec["labels"], tu_graphs.FOLDS)[0]
-    graphs = tu_graphs.standardised(graphs, split["train"], spec.get("num_attributes", 0))
-    hp = tu_graphs.hyperparameters()
+    spec = tu_data.prepare_dataset(name, data_root, cache, tu_data.NODE_ATTRIBUTES)
+    graphs = tu_data.load_graphs(spec)
+    split = tu_data.make_splits(spec["labels"], tu_data.FOLDS)[0]
+    graphs = tu_data.standardised(graphs, split["train"], spec.get("num_attributes", 0))
+    hp = tu_table.hyperparameters()
     batches = list(DataLoader([graphs[i] for i in split["train"]],
                               batch_size=hp["batch_size"], shuffle=False))
     epochs, params = {}, {}
     for row in rows:
         torch.manual_seed(0)
-        model = tu_graphs.build_model(row, spec["num_features"], spec["num_classes"], hp)
+        model = tu_models.build_model(row, spec["num_features"], spec["num_classes"], hp)
         epochs[row] = training_epoch(model, batches, hp["lr"])
         params[row] = sum(p.numel() for p in model.parameters())
     seconds = interleaved_median_times(epochs, torch.device("cpu"), repeats, warmup=1,
@@ -72,9 +72,9 @@ def bench_dataset(name: str, data_root: Path, cache: Path, rows, repeats: int,
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--datasets", nargs="+", default=list(tu_graphs.DATASETS))
-    parser.add_argument("--rows", nargs="+", default=list(tu_graphs.ROWS),
-                        choices=tu_graphs.ROWS)
+    parser.add_argument("--datasets", nargs="+", default=list(tu_data.DATASETS))
+    parser.add_argument("--rows", nargs="+", default=list(tu_models.ROWS),
+                        choices=tu_models.ROWS)
     add_data_dir_arg(parser)
     parser.add_argument("--cache-root", default=None,
                         help="writable folder for the processed copies (default: temporary)")

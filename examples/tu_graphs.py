@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch_geometric.loader import DataLoader
 from torch_geometric.nn import global_add_pool
 
-from qsv_pyg.experiments.tu_table import (NODE_ATTRIBUTES, QSV_OPTIONS, check_folds,
-                                          load_graphs, make_splits, prepare_dataset,
-                                          standardised)
+from qsv_pyg.experiments.tu_data import (NODE_ATTRIBUTES, check_folds, load_graphs,
+                                         make_splits, prepare_dataset, standardised)
+from qsv_pyg.experiments.tu_models import QSV_OPTIONS
 from qsv_pyg.experiments.units import add_data_dir_arg, fail
 from qsv_pyg.nn.models import QSV
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qsv_pyg.experiments import tu_data, tu_models
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tu_graphs.py"
 #: $QSV_DATA_DIR, else shared/data beside the checkout (units.default_data_dir).
 DATA_ROOT = Path(os.environ.get("QSV_DATA_DIR")
@@ -90,7 +92,7 @@ def units_by_model(out: Path, tu) -> dict:
 def test_mutag_rows_learn_above_chance_quickly(tu, mutag):
     out, text, seconds = mutag
     units = units_by_model(out, tu)
-    assert set(units) == {"QSV", "GIN", tu.BASELINE}
+    assert set(units) == {"QSV", "GIN", tu_models.BASELINE}
     for model, group in units.items():
         assert sorted(c["fold"] for c, _ in group) == [0, 1]
         mean = statistics.fmean(m["test_acc"] for _, m in group)
@@ -163,11 +165,11 @@ def test_splits_stratified_disjoint_covering_and_reused(tu, mutag):
         tests.append(test)
     assert sorted(np.concatenate(tests).tolist()) == list(range(n))  # every graph tested once
     # Seeded: the same splits again; and the saved file is what a rerun reads.
-    assert tu.make_splits(labels.tolist(), 10) == [
+    assert tu_data.make_splits(labels.tolist(), 10) == [
         {p: f[p] for p in ("train", "val", "test")} for f in saved["splits"]]
     spec = {"name": "MUTAG", "num_graphs": n, "labels": labels.tolist()}
     assert tu.load_or_make_splits(out / "MUTAG" / "splits.json", spec, 10) == \
-        tu.make_splits(labels.tolist(), 10)
+        tu_data.make_splits(labels.tolist(), 10)
 
 
 def test_splits_of_other_folds_are_refused(tu, mutag, cache, capsys):
@@ -183,7 +185,7 @@ def test_splits_of_other_folds_are_refused(tu, mutag, cache, capsys):
 
 def test_stratified_folds_on_many_classes(tu):
     labels = [c for c in range(6) for _ in range(100)]  # ENZYMES' 6 x 100
-    splits = tu.make_splits(labels, 10)
+    splits = tu_data.make_splits(labels, 10)
     y = np.asarray(labels)
     for fold in splits:
         assert np.bincount(y[fold["test"]], minlength=6).tolist() == [10] * 6
@@ -430,7 +432,7 @@ def test_report_only_names_damaged_units_and_leaves_them_out(tu, mutag, tmp_path
     assert str(listed) in joined and "not a JSON object" in joined
     table = json.loads((copy / "MUTAG" / "table.json").read_text())
     folds = {row["model"]: row["folds"] for row in table["rows"]}
-    assert folds == {"QSV": "1/10", "GIN": "1/10", tu.BASELINE: "2/10"}
+    assert folds == {"QSV": "1/10", "GIN": "1/10", tu_models.BASELINE: "2/10"}
     assert "| QSV |" in text
 
 
@@ -528,7 +530,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
     other = batch.clone()
     other.edge_attr = batch.edge_attr.flip(0)  # other bond labels on the same edges
     hp = tu.hyperparameters()
-    target = tu.count_parameters(tu.qsv_gnn(spec["num_features"], hp, 4))
+    target = tu.count_parameters(tu_models.qsv_gnn(spec["num_features"], hp, 4))
     for row in tu.candidate_rows(source_logit=True, edge_attr=True):
         torch = tu.torch
         torch.manual_seed(0)
@@ -540,7 +542,7 @@ def test_edge_rows_read_the_edge_features(tu, cache):
         if row in ("GAT +edge", "GATv2 +edge", "Transformer +edge", "GIN +edge"):
             assert abs(tu.count_parameters(model.gnn) - target) < 0.1 * target, row
     gine = tu.build_model("GIN +edge", spec["num_features"], 2, hp, 4).gnn
-    assert isinstance(gine, tu.GINE) and all(isinstance(c, GINEConv) for c in gine.convs)
+    assert isinstance(gine, tu_models.GINE) and all(isinstance(c, GINEConv) for c in gine.convs)
     with pytest.raises(ValueError, match="edge_dim"):
         tu.build_model("GAT +edge", spec["num_features"], 2, hp, None)
 
