@@ -395,6 +395,32 @@ def test_knn_graph_unsorted_batch_and_small_clouds_go_cloud_by_cloud():
     assert torch.equal(knn_graph(pos, 5, small), _knn_cloud_by_cloud(pos, 5, small))
 
 
+def test_knn_candidates_grouped_by_destination_whatever_order_the_search_returns(monkeypatch):
+    """geometry.knn skips its grouping sort where torch_cluster's pairs come grouped
+    by destination (they do on CPU) and sorts where they do not: a search that
+    returns its pairs shuffled gives the same graphs, batched and per cloud."""
+    import qsv_pyg.geometry.knn as K
+    torch_cluster = pytest.importorskip("torch_cluster")
+    pos = torch.cat([blob(40), blob(50, 3)])
+    batch = torch.repeat_interleave(torch.arange(2), torch.tensor([40, 50]))
+    expected = {loop: knn_graph(pos, 8, batch, loop=loop) for loop in (False, True)}
+    single = K.knn_within(pos, 8)
+    row, _ = torch_cluster.knn(pos, pos, 10, batch, batch)
+    assert bool((row[1:] >= row[:-1]).all())  # grouped: the sort is skipped
+
+    class Shuffled:
+        @staticmethod
+        def knn(*args):
+            row, col = torch_cluster.knn(*args)
+            perm = torch.randperm(row.numel(), generator=torch.Generator().manual_seed(1))
+            return row[perm], col[perm]
+
+    monkeypatch.setattr(K, "torch_cluster", Shuffled)
+    for loop in (False, True):
+        assert torch.equal(knn_graph(pos, 8, batch, loop=loop), expected[loop])
+    assert torch.equal(K.knn_within(pos, 8), single)
+
+
 def test_point_pair_features_bipartite_with_ambiguous_endpoints():
     """The columns as written in the docstring (R^T d/|d| at each end, the
     normals' cosine), zero blocks at ambiguous ends, on a bipartite graph with

@@ -90,8 +90,12 @@ def _candidates(src: Tensor, dst: Tensor, k_query: int,
             f"torch_cluster.knn returned {row.numel()} pairs, expected {n_dst} x {k_query}"
         )
     # Group by destination; the within-row order is irrelevant (re-sorted later).
-    perm = torch.sort(row, stable=True).indices
-    return col[perm].view(n_dst, k_query)
+    # On CPU torch_cluster returns the pairs grouped already: one comparison pass
+    # (a twentieth of the sort's time) confirms it. On CUDA the check would be a
+    # host sync, so the sort always runs there.
+    if src.is_cuda or not bool((row[1:] >= row[:-1]).all()):
+        col = col[torch.sort(row, stable=True).indices]
+    return col.view(n_dst, k_query)
 
 
 def _candidates_brute_force(src: Tensor, dst: Tensor, k_query: int) -> Tensor:
