@@ -164,15 +164,8 @@ from qsv_pyg.utils import cpu_name
 
 DATASET = "ModelNet10"
 OUT_ROOT = "docs/results/modelnet"
-REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")
-#: Train protocol -> its test protocols (the table's columns are train/test).
-TESTS = {"aligned": ("aligned", "z", "so3"), "so3": ("so3",)}
-LABEL = {"aligned": "aligned", "z": "z", "so3": "SO3"}
-COLUMNS = tuple(f"{LABEL[tr]}/{LABEL[te]}" for tr, tests in TESTS.items() for te in tests)
-#: Seeds of the data choices: which points of a shape, which training shapes
-#: with --max-train/--max-test, and the test rotations (one per protocol).
-SUBSAMPLE_SEED = {"train": 11, "test": 12}
-SUBSET_SEED = {"train": 21, "test": 22}
+#: The test rotations' seeds (one per protocol); the protocols (TESTS, COLUMNS) and
+#: the seeds of which points and shapes are the table's (modelnet_data, imported below).
 TEST_ROTATION_SEED = {"z": 31, "so3": 32}
 HIDDEN, LAYERS, HEADS = 32, 3, 1
 #: Every graph row (QSV, GAT, Transformer) normalises its hidden layers: on 400
@@ -187,93 +180,12 @@ COST = {"QSV-geometric": 17, "QSV xyz": 24, "GAT xyz": 123, "GAT local": 137,
 ENCODE_COST = {"frames": 32, "graph": 7, "points": 0}
 # Published context (ModelNet40): one source of truth in the package.
 from qsv_pyg.experiments.modelnet_report import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
+# The npz, its checks and the shapes' normalisation: the table's own.
+from qsv_pyg.experiments.modelnet_data import (  # noqa: E402
+    COLUMNS, LABEL, SUBSAMPLE_SEED, SUBSET_SEED, TESTS, find_npz, load_arrays, normalise, subset)
 
 
 # ------------------------------------------------------------------ data
-def find_npz(data_root: Path, dataset: str, npz: Optional[str]) -> Path:
-    folder = Path(data_root) / dataset
-    if not folder.is_dir():
-        fail(f"{dataset}: no folder {folder} (check --data-dir and --dataset)")
-    if npz is not None:
-        path = Path(npz) if Path(npz).is_absolute() else folder / npz
-        if not path.is_file():
-            fail(f"{dataset}: no file {path} (check --npz)")
-        return path
-    found = sorted(folder.glob("*.npz"))
-    if not found:
-        fail(f"{dataset}: no .npz file in {folder}")
-    if len(found) > 1:
-        fail(f"{dataset}: {len(found)} .npz files in {folder} "
-             f"({', '.join(p.name for p in found)}); choose one with --npz")
-    return found[0]
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def load_arrays(path: Path, points: int) -> Dict[str, Any]:
-    """The checked arrays of a ModelNet-style npz; any problem is a
-    :func:`~qsv_pyg.experiments.units.fail` (exit 2, one line)."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = [name for name in REQUIRED if name not in f.files]
-            if missing:
-                fail(f"{path} lacks the array(s) {', '.join(missing)} (a ModelNet-style "
-                     f"npz holds {', '.join(REQUIRED)} and optionally classes)")
-            arrays = {name: f[name] for name in REQUIRED}
-            classes = f["classes"] if "classes" in f.files else None
-    except SystemExit:
-        raise
-    except Exception as error:  # not a zip, a pickled array, a torn file, ...
-        fail(f"cannot read {path}: {_one_line(error)}")
-    for split in ("train", "test"):
-        pos, y = arrays[f"pos_{split}"], arrays[f"y_{split}"]
-        if pos.ndim != 3 or pos.shape[2] != 3 or pos.shape[0] == 0:
-            fail(f"{path}: pos_{split} has shape {list(pos.shape)}; expected "
-                 f"[shapes, points, 3]")
-        if not np.issubdtype(pos.dtype, np.floating) or not np.isfinite(pos).all():
-            fail(f"{path}: pos_{split} must hold finite floats (dtype {pos.dtype})")
-        if y.ndim != 1 or y.shape[0] != pos.shape[0]:
-            fail(f"{path}: y_{split} has shape {list(y.shape)} but pos_{split} holds "
-                 f"{pos.shape[0]} shapes")
-        if not np.issubdtype(y.dtype, np.integer) or (y < 0).any():
-            fail(f"{path}: y_{split} must hold non-negative integer labels "
-                 f"(dtype {y.dtype})")
-        if pos.shape[1] < points:
-            fail(f"{path}: pos_{split} has {pos.shape[1]} points per shape, fewer than "
-                 f"--points {points}")
-    top = int(max(arrays["y_train"].max(), arrays["y_test"].max()))
-    if classes is not None:
-        if classes.ndim != 1 or len(classes) <= top:
-            fail(f"{path}: classes has shape {list(classes.shape)} but the labels reach "
-                 f"{top}")
-        names = [str(c) for c in classes]
-    else:
-        names = [f"class {i}" for i in range(top + 1)]
-    arrays["classes"] = names
-    return arrays
-
-
-def subset(count: int, limit: Optional[int], seed: int) -> Tensor:
-    """Indices of ``limit`` shapes out of ``count`` (a fixed seeded choice, in
-    file order), or all of them."""
-    if limit is None or limit >= count:
-        return torch.arange(count)
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(count, generator=g)[:limit].sort().values
-
-
-def normalise(pos: np.ndarray, points: int, seed: int) -> Tensor:
-    """Centred, unit-sphere, subsampled shapes ``[S, points, 3]`` in float64."""
-    p = torch.from_numpy(np.ascontiguousarray(pos)).double()
-    p = p - p.mean(1, keepdim=True)
-    p = p / p.norm(dim=2).amax(1).clamp_min(1e-12)[:, None, None]
-    g = torch.Generator().manual_seed(seed)
-    keep = torch.rand(p.shape[0], p.shape[1], generator=g).argsort(1)[:, :points]
-    return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
-
-
 def rotations(protocol: str, count: int, g: torch.Generator, up_axis: str = "z"
               ) -> Optional[Tensor]:
     """``count`` rotation matrices ``[count, 3, 3]`` (float64) of a protocol:

@@ -70,44 +70,64 @@ def find_npz(data_root: Path, dataset: str, npz: Optional[str]) -> Path:
             fail(f"{dataset}: no file {path} (check --npz)")
         return path
     found = sorted(folder.glob("*.npz"))
-    if len(found) != 1:
-        fail(f"{dataset}: {len(found)} .npz files in {folder}; choose one with --npz")
+    if not found:
+        fail(f"{dataset}: no .npz file in {folder}")
+    if len(found) > 1:
+        fail(f"{dataset}: {len(found)} .npz files in {folder} "
+             f"({', '.join(p.name for p in found)}); choose one with --npz")
     return found[0]
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def load_arrays(path: Path, points: int) -> Dict[str, Any]:
-    """The checked arrays of a ModelNet-style npz (exit 2, one line, on a problem)."""
+    """The checked arrays of a ModelNet-style npz; any problem is a
+    :func:`~qsv_pyg.experiments.units.fail` (exit 2, one line)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [name for name in REQUIRED if name not in f.files]
             if missing:
-                fail(f"{path} lacks the array(s) {', '.join(missing)}")
+                fail(f"{path} lacks the array(s) {', '.join(missing)} (a ModelNet-style "
+                     f"npz holds {', '.join(REQUIRED)} and optionally classes)")
             arrays = {name: f[name] for name in REQUIRED}
             classes = f["classes"] if "classes" in f.files else None
     except SystemExit:
         raise
     except Exception as error:  # not a zip, a pickled array, a torn file, ...
-        fail(f"cannot read {path}: {' '.join(str(error).split()) or type(error).__name__}")
+        fail(f"cannot read {path}: {_one_line(error)}")
     for split in ("train", "test"):
         pos, y = arrays[f"pos_{split}"], arrays[f"y_{split}"]
         if pos.ndim != 3 or pos.shape[2] != 3 or pos.shape[0] == 0:
-            fail(f"{path}: pos_{split} has shape {list(pos.shape)}; expected [shapes, points, 3]")
+            fail(f"{path}: pos_{split} has shape {list(pos.shape)}; expected "
+                 f"[shapes, points, 3]")
         if not np.issubdtype(pos.dtype, np.floating) or not np.isfinite(pos).all():
             fail(f"{path}: pos_{split} must hold finite floats (dtype {pos.dtype})")
-        if y.ndim != 1 or y.shape[0] != pos.shape[0] or not np.issubdtype(y.dtype, np.integer) \
-                or (y < 0).any():
-            fail(f"{path}: y_{split} must hold one non-negative integer label per shape")
+        if y.ndim != 1 or y.shape[0] != pos.shape[0]:
+            fail(f"{path}: y_{split} has shape {list(y.shape)} but pos_{split} holds "
+                 f"{pos.shape[0]} shapes")
+        if not np.issubdtype(y.dtype, np.integer) or (y < 0).any():
+            fail(f"{path}: y_{split} must hold non-negative integer labels "
+                 f"(dtype {y.dtype})")
         if pos.shape[1] < points:
             fail(f"{path}: pos_{split} has {pos.shape[1]} points per shape, fewer than "
                  f"--points {points}")
     top = int(max(arrays["y_train"].max(), arrays["y_test"].max()))
-    names = [str(c) for c in classes] if classes is not None and len(classes) > top else \
-        [f"class {i}" for i in range(top + 1)]
+    if classes is not None:
+        if classes.ndim != 1 or len(classes) <= top:
+            fail(f"{path}: classes has shape {list(classes.shape)} but the labels reach "
+                 f"{top}")
+        names = [str(c) for c in classes]
+    else:
+        names = [f"class {i}" for i in range(top + 1)]
     arrays["classes"] = names
     return arrays
 
 
 def subset(count: int, limit: Optional[int], seed: int) -> Tensor:
+    """Indices of ``limit`` shapes out of ``count`` (a fixed seeded choice, in
+    file order), or all of them."""
     if limit is None or limit >= count:
         return torch.arange(count)
     g = torch.Generator().manual_seed(seed)
