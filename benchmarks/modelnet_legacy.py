@@ -127,7 +127,6 @@ repeated points gets its kNN graph from ``qsv_pyg.geometry.knn_within``
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import statistics
 import time
@@ -158,7 +157,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from qsv_pyg.geometry import local_frames, matrix_to_quaternion
 from qsv_pyg.geometry.knn import knn_within
-from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
 from qsv_pyg.training.run_files import atomic_write
 from qsv_pyg.utils import cpu_name
 
@@ -182,33 +180,11 @@ ENCODE_COST = {"frames": 32, "graph": 7, "points": 0}
 from qsv_pyg.experiments.modelnet_report import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
 # The npz, its checks and the shapes' normalisation: the table's own.
 from qsv_pyg.experiments.modelnet_data import (  # noqa: E402
-    COLUMNS, LABEL, SUBSAMPLE_SEED, SUBSET_SEED, TESTS, find_npz, load_arrays, normalise, subset)
+    COLUMNS, LABEL, SUBSAMPLE_SEED, SUBSET_SEED, TESTS, find_npz, load_arrays, normalise, rotate,
+    rotations, subset)
 
 
 # ------------------------------------------------------------------ data
-def rotations(protocol: str, count: int, g: torch.Generator, up_axis: str = "z"
-              ) -> Optional[Tensor]:
-    """``count`` rotation matrices ``[count, 3, 3]`` (float64) of a protocol:
-    about the vertical axis (``"z"``) or uniform on SO(3) (``"so3"``)."""
-    if protocol == "aligned":
-        return None
-    if protocol == "so3":
-        return quaternion_to_matrix(random_unit_quaternion(count, generator=g,
-                                                           dtype=torch.float64))
-    if protocol != "z":
-        raise ValueError(f"unknown rotation protocol {protocol!r}")
-    theta = torch.rand(count, generator=g, dtype=torch.float64) * (2 * math.pi)
-    c, s = theta.cos(), theta.sin()
-    a, b = [i for i in range(3) if i != "xyz".index(up_axis)]  # the horizontal plane
-    rot = torch.eye(3, dtype=torch.float64).repeat(count, 1, 1)
-    rot[:, a, a], rot[:, a, b], rot[:, b, a], rot[:, b, b] = c, -s, s, c
-    return rot
-
-
-def rotate(pos: Tensor, rot: Optional[Tensor]) -> Tensor:
-    return pos if rot is None else pos @ rot.transpose(1, 2)
-
-
 def tie_break(frames: Tensor, pos: Tensor, edge_index: Tensor, tol: float = 1e-9
               ) -> Tensor:
     """Frames whose normal ``e3`` :func:`local_frames` could not orient (the mean

@@ -179,9 +179,10 @@ def augment_shapes(full: Tensor, points: int, g: torch.Generator) -> Tensor:
     return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
 
 
-def rotations(protocol: str, count: int, g: torch.Generator) -> Optional[Tensor]:
-    """``[count, 3, 3]`` float64 rotations: about ``z`` (``"z"``) or uniform on
-    SO(3) (``"so3"``); None for ``"aligned"``."""
+def rotations(protocol: str, count: int, g: torch.Generator, up_axis: str = "z"
+              ) -> Optional[Tensor]:
+    """``[count, 3, 3]`` float64 rotations: about the vertical axis ``up_axis``
+    (``"z"``) or uniform on SO(3) (``"so3"``); None for ``"aligned"``."""
     from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
     if protocol == "aligned":
         return None
@@ -192,8 +193,9 @@ def rotations(protocol: str, count: int, g: torch.Generator) -> Optional[Tensor]
         raise ValueError(f"unknown rotation protocol {protocol!r}")
     theta = torch.rand(count, generator=g, dtype=torch.float64) * (2 * math.pi)
     c, s = theta.cos(), theta.sin()
+    a, b = [i for i in range(3) if i != "xyz".index(up_axis)]  # the horizontal plane
     rot = torch.eye(3, dtype=torch.float64).repeat(count, 1, 1)
-    rot[:, 0, 0], rot[:, 0, 1], rot[:, 1, 0], rot[:, 1, 1] = c, -s, s, c
+    rot[:, a, a], rot[:, a, b], rot[:, b, a], rot[:, b, b] = c, -s, s, c
     return rot
 
 
