@@ -157,7 +157,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from qsv_pyg.geometry import local_frames, matrix_to_quaternion
 from qsv_pyg.geometry.knn import knn_within
-from qsv_pyg.training.run_files import atomic_write
 from qsv_pyg.utils import cpu_name
 
 DATASET = "ModelNet10"
@@ -177,7 +176,7 @@ COST = {"QSV-geometric": 17, "QSV xyz": 24, "GAT xyz": 123, "GAT local": 137,
         "Transformer xyz": 94, "Transformer local": 91, "DGCNN": 86, "PointNet++": 79}
 ENCODE_COST = {"frames": 32, "graph": 7, "points": 0}
 # Published context (ModelNet40): one source of truth in the package.
-from qsv_pyg.experiments.modelnet_report import PUBLISHED, PUBLISHED_NOTE  # noqa: E402
+from qsv_pyg.experiments.modelnet_report import PUBLISHED, PUBLISHED_NOTE, plot  # noqa: E402
 # The npz, its checks and the shapes' normalisation: the table's own.
 from qsv_pyg.experiments.modelnet_data import (  # noqa: E402
     COLUMNS, LABEL, SUBSAMPLE_SEED, SUBSET_SEED, TESTS, find_npz, load_arrays, normalise, rotate,
@@ -551,31 +550,6 @@ def settings_note(configs: List[dict]) -> str:
     return ", ".join(parts)
 
 
-def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 4.8))
-    x = np.arange(len(COLUMNS))
-    width = 0.8 / max(len(rows), 1)
-    for i, (name, row) in enumerate(rows.items()):
-        vals = [row["columns"][c] for c in COLUMNS]
-        means = [100 * statistics.fmean(v) if v else np.nan for v in vals]
-        stds = [100 * statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-        ax.bar(x + (i - (len(rows) - 1) / 2) * width, means, width, yerr=stds,
-               label=name, capsize=2)
-    ax.axhline(100 * chance, ls="--", color="gray", lw=1, label="chance")
-    ax.set_xticks(x, [f"train {c.split('/')[0]}\ntest {c.split('/')[1]}" for c in COLUMNS])
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(title, fontsize=9)
-    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
-    plt.close(fig)
-
-
 def report(out_root: Path, dataset: str, quiet: bool = False) -> Dict[str, Dict[str, Any]]:
     """Table (``out_root/table.{md,csv,json}``), figure (``out_root/accuracy.png``)
     and the published ModelNet40 context from the finished units of ``dataset``."""
@@ -607,7 +581,7 @@ def report(out_root: Path, dataset: str, quiet: bool = False) -> Dict[str, Dict[
                             ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"], PUBLISHED,
                             "Published context: " + PUBLISHED_NOTE)
     plot(out_root / "accuracy.png", rows, 1 / num_classes, f"{dataset}: "
-         f"{settings_note(configs)}")
+         f"{settings_note(configs)}", figsize=(11, 4.8), legend_columns=5)
     if not quiet:
         print("\n" + text + "\n" + published)
     return rows

@@ -92,12 +92,15 @@ def collect(dataset_root: Path, order: Sequence[str] = ()
     return rows, units
 
 
-def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str) -> None:
+def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str,
+         figsize: Tuple[float, float] = (12, 5), legend_columns: int = 4) -> None:
+    """``accuracy.png``: test accuracy per protocol column (bars: rows, mean ± std
+    over seeds), chance dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 5))
+    fig, ax = plt.subplots(figsize=figsize)
     x = np.arange(len(COLUMNS))
     width = 0.8 / max(len(rows), 1)
     for i, (name, row) in enumerate(rows.items()):
@@ -111,7 +114,8 @@ def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str)
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(0, 100)
     ax.set_title(title, fontsize=9)
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax.legend(ncol=legend_columns, fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.16))
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
     plt.close(fig)
