@@ -98,6 +98,13 @@ def test_a_resumable_unit_continues_from_its_checkpoint(tmp_path, capsys):
     assert "cannot resume" in err and units.UNIT_CHECKPOINT in err and "starts again" in err
     with pytest.raises(ValueError, match="epoch"):
         units.UnitCheckpoint(folder).save({"w": 1})
+    # a checkpoint without the config.json it was saved under is not resumed
+    (folder / "metrics.json").unlink()
+    units.UnitCheckpoint(folder).save({"epoch": 1, "w": torch.arange(3.0)})
+    (folder / "config.json").unlink()
+    assert units.run_unit(folder, config, fresh, resumable=True) == {"test_acc": 0.5}
+    assert units.finished_unit(folder, config) == {"test_acc": 0.5}  # config.json rewritten
+    assert not (folder / units.UNIT_CHECKPOINT).exists()
 
 
 def test_a_unit_finished_while_waiting_for_the_lock_is_not_retrained(tmp_path):

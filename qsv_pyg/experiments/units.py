@@ -234,7 +234,11 @@ def run_unit(folder: Path, config: Dict[str, Any], train: Callable[..., Dict[str
         if done is not None:
             return done
         clean_stale_temps(folder)
-        checkpoint = UnitCheckpoint.resume(folder) if resumable else None
+        # A checkpoint resumes only beside the config.json it was saved under
+        # (finished_unit checked that this equals ``config``); without one it is
+        # of unknown origin and the unit starts again (the else branch removes it).
+        checkpoint = None if not resumable else UnitCheckpoint.resume(folder) \
+            if (folder / "config.json").is_file() else UnitCheckpoint(folder)
         if checkpoint is not None and checkpoint.state is not None:
             truncate_log(folder / "log.jsonl", checkpoint.state["epoch"])
             (folder / "metrics.json").unlink(missing_ok=True)
