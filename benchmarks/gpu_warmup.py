@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qsv_pyg.nn import triton_kernel as tk  # noqa: E402
+from qsv_pyg.nn import triton_tuning as tt  # noqa: E402
 
 #: bench_conv.py's QSV layers, channels and heads as run_gpu.sh runs them.
 CONV_LAYERS = ("qsv", "qsv-field")
@@ -192,8 +193,8 @@ def recording(sink: list):
     # every candidate configuration, as on the GPU (issue 32 item 8d), so every
     # variant the GPU may compile is recorded.
     with _patched_env("QSV_PYG_TRITON", "interpret"), \
-            _patched_env(tk.AUTOTUNE_ENV, "1"), _patched(tk, "TUNED", {}), \
-            _patched(tk, "TIMINGS", {}), _patched(tk, "TUNE_REPEATS", 0), \
+            _patched_env(tk.AUTOTUNE_ENV, "1"), _patched(tt, "TUNED", {}), \
+            _patched(tt, "TIMINGS", {}), _patched(tt, "TUNE_REPEATS", 0), \
             _patched(tk, "_kernels", lambda interpret: fake):
         yield sink
 

@@ -10,7 +10,8 @@ from torch_geometric import EdgeIndex
 
 import torch_geometric.utils
 from qsv_pyg.nn import csr as csr_module
-from qsv_pyg.nn.csr import build_csr, cache_info, clear_cache, edge_index_csr
+from qsv_pyg.nn.csr import build_csr, edge_index_csr
+from qsv_pyg.nn.graph_cache import cache_info, cached_batch_edge_index, clear_cache
 from qsv_pyg.quaternion import random_unit_quaternion
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -206,7 +207,7 @@ def test_batched_input(case):
 
 def test_batch_copies_stay_an_edge_index():
     ei, _ = as_edge_index(edges(5, 9, seed=14), None, "col", (5, 5))
-    flat = csr_module.cached_batch_edge_index(ei, 3, 5, 5)
+    flat = cached_batch_edge_index(ei, 3, 5, 5)
     assert isinstance(flat, EdgeIndex) and flat.is_sorted_by_col
     assert flat.sparse_size() == (15, 15)
     assert torch.equal(flat.as_tensor(),

@@ -63,7 +63,7 @@ ALLOWED: Dict[Tuple[str, str], str] = {
     ("qsv_pyg.training.distributed", "all_reduce_max_host"):
         "the per-step agreement of the ranks (stop, budget mark) reads a CPU tensor "
         "reduced over Gloo; nothing on the device is involved",
-    ("qsv_pyg.nn.csr", "_same_values"):
+    ("qsv_pyg.nn.graph_cache", "_same_values"):
         "a verified hit of the CSR cache compares a CPU edge index with its copy in host "
         "memory; device hits are not verified by default, so they do not sync "
         "(test_csr_cache_hits_on_a_device_are_not_verified)",
@@ -304,7 +304,7 @@ def test_readback_copies_into_its_own_buffers():
 def test_csr_cache_hits_on_a_device_are_not_verified():
     """What makes the ``_same_values`` exclusion safe: by default only host (CPU)
     edge indices are compared on a hit; on a device the hit reads nothing back."""
-    from qsv_pyg.nn import csr
+    from qsv_pyg.nn import graph_cache as csr
 
     assert csr._verifies(torch.zeros(2, 4, dtype=torch.long))
     assert not csr._verifies(torch.zeros(2, 4, dtype=torch.long, device="meta"))

@@ -233,7 +233,7 @@ def test_fast_path_matches_message_passing(routing, transport, mode, graph_kind,
 
 
 def test_graph_csr_is_built_once_per_graph(random_graph, monkeypatch):
-    import qsv_pyg.nn.csr as csr
+    import qsv_pyg.nn.graph_cache as csr
     builds = []
     orig = csr.build_csr
     monkeypatch.setattr(csr, "build_csr", lambda *a: builds.append(1) or orig(*a))

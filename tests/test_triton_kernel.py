@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from qsv_pyg.nn import qsv_kernel  # noqa: E402
 from qsv_pyg.nn import triton_kernel as tk  # noqa: E402
+from qsv_pyg.nn import triton_tuning as tt  # noqa: E402
 from qsv_pyg.nn.csr import batch_csr, build_csr  # noqa: E402
 from qsv_pyg.nn.qsv_kernel import attend, qsv_attend  # noqa: E402
 from qsv_pyg.quaternion import (  # noqa: E402
@@ -205,23 +206,23 @@ def test_tuned_launch_matches_the_untuned_one(monkeypatch):
     """With tuning on (``QSV_PYG_AUTOTUNE=1`` takes the interpreter too) every
     candidate runs on the call's own buffers before the chosen one: the result
     is the untuned one, and the choice is remembered per key."""
-    monkeypatch.setattr(tk, "TUNED", {})
-    monkeypatch.setattr(tk, "TIMINGS", {})
-    monkeypatch.setattr(tk, "TUNE_REPEATS", 1)
+    monkeypatch.setattr(tt, "TUNED", {})
+    monkeypatch.setattr(tt, "TIMINGS", {})
+    monkeypatch.setattr(tt, "TUNE_REPEATS", 1)
     n_src, n_dst, H, M = 6, 6, 2, 1
     ei = random_graph(n_src, n_dst, 24, seed=55)
     inputs = make_inputs(n_src, n_dst, H, M, 4, True, seed=56)
     graph = build_csr(ei, n_src, n_dst)
     monkeypatch.setenv(tk.AUTOTUNE_ENV, "0")
     untuned, _ = run_both(inputs, ei, graph, n_dst, False, seed=57)
-    assert not tk.TUNED
+    assert not tt.TUNED
     monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
     tuned, want = run_both(inputs, ei, graph, n_dst, False, seed=57)
-    assert {key[0] for key in tk.TUNED} == {"forward_rows", "backward_rows", "backward_cols"}
+    assert {key[0] for key in tt.TUNED} == {"forward_rows", "backward_rows", "backward_cols"}
     for a, b in zip(tuned, untuned):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert_all_close(tuned, want, **TOL32)
-    rows = tk.tuned()
+    rows = tt.tuned()
     assert len(rows) == 3 and all(len(r["timings_us"]) >= 2 for r in rows)
 
 

@@ -6,20 +6,21 @@ from __future__ import annotations
 import pytest
 
 from qsv_pyg.nn import triton_kernel as tk
+from qsv_pyg.nn import triton_tuning as tt
 
 
 @pytest.mark.parametrize("tile,warps", [(0, 1), (1, 1), (16, 1), (64, 1), (128, 1),
                                         (129, 2), (256, 2), (257, 4), (512, 4), (1024, 8),
                                         (4096, 8), (10 ** 6, 8)])
 def test_num_warps_for_tile(tile, warps):
-    assert tk.num_warps_for(tile) == warps
+    assert tt.num_warps_for(tile) == warps
 
 
 def test_num_warps_is_a_power_of_two_growing_with_the_tile():
     last = 0
     for tile in range(0, 5000, 7):
-        w = tk.num_warps_for(tile)
-        assert w & (w - 1) == 0 and 1 <= w <= tk.MAX_WARPS
+        w = tt.num_warps_for(tile)
+        assert w & (w - 1) == 0 and 1 <= w <= tt.MAX_WARPS
         assert w >= last
         last = w
 
@@ -39,17 +40,17 @@ def test_candidates(H, M, degree):
     launch: steps no longer than the setup's nor (beyond one) the degree,
     several rows per program only for low degrees, warps a power of two."""
     s = _setup(H, M)
-    cands = tk.candidates(s, degree)
-    assert cands[0] == tk.Config(s.BE, 1, s.warps)
+    cands = tt.candidates(s, degree)
+    assert cands[0] == tt.Config(s.BE, 1, s.warps)
     assert len(cands) == len(set(cands)) <= 5
     for c in cands:
         assert 1 <= c.BE <= s.BE and c.BE & (c.BE - 1) == 0
         assert c.warps in (1, 2, 4, 8)
-        assert c.TARGETS in (1, ) + tk.TARGETS_CHOICES
+        assert c.TARGETS in (1, ) + tt.TARGETS_CHOICES
         if c.TARGETS > 1:
-            assert degree <= tk.SHARED_ROWS_DEGREE and c.BE <= max(degree, 1)
-    if degree <= tk.SHARED_ROWS_DEGREE:
-        assert {c.TARGETS for c in cands} == {1, *tk.TARGETS_CHOICES}
+            assert degree <= tt.SHARED_ROWS_DEGREE and c.BE <= max(degree, 1)
+    if degree <= tt.SHARED_ROWS_DEGREE:
+        assert {c.TARGETS for c in cands} == {1, *tt.TARGETS_CHOICES}
     else:
         assert {c.TARGETS for c in cands} == {1}
     if degree < s.BE:
@@ -60,7 +61,7 @@ def test_candidates(H, M, degree):
                                                (79, 10, 8), (160, 10, 16), (130, 10, 16),
                                                (50, 10, 8), (1000, 10, 128)])
 def test_degree_bucket(edges, rows, bucket):
-    assert tk.degree_bucket(edges, rows) == bucket
+    assert tt.degree_bucket(edges, rows) == bucket
 
 
 class _Clock:
@@ -80,29 +81,29 @@ def _tuner(monkeypatch, times):
     clock = _Clock(times)
     launched = []
     clock.launched = launched
-    monkeypatch.setattr(tk, "_seconds", clock)
-    monkeypatch.setattr(tk, "TUNED", {})
-    monkeypatch.setattr(tk, "TIMINGS", {})
+    monkeypatch.setattr(tt, "_seconds", clock)
+    monkeypatch.setattr(tt, "TUNED", {})
+    monkeypatch.setattr(tt, "TIMINGS", {})
     configs = list(times)
     return clock, launched, configs, torch.device("cpu")
 
 
 def test_tuning_picks_the_fastest_once_per_key(monkeypatch):
-    a, b, c = tk.Config(16, 1, 1), tk.Config(8, 2, 1), tk.Config(8, 4, 1)
+    a, b, c = tt.Config(16, 1, 1), tt.Config(8, 2, 1), tt.Config(8, 4, 1)
     clock, launched, configs, cpu = _tuner(monkeypatch, {a: 3.0, b: 1.0, c: 2.0})
     import torch
-    monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(tt.AUTOTUNE_ENV, "1")
     s = _setup(2, 1)
-    key = tk.tuning_key("forward_rows", cpu, torch.float32, s, 8, {"ROTATE": True})
-    assert tk.launch_tuned(key, configs, launched.append, cpu) == b
+    key = tt.tuning_key("forward_rows", cpu, torch.float32, s, 8, {"ROTATE": True})
+    assert tt.launch_tuned(key, configs, launched.append, cpu) == b
     assert launched == [a, b, c, b]  # every candidate timed, then the chosen one
     launched.clear()
-    assert tk.launch_tuned(key, configs, launched.append, cpu) == b
+    assert tt.launch_tuned(key, configs, launched.append, cpu) == b
     assert launched == [b] and len(clock.calls) == 3  # remembered: no timing
-    other = tk.tuning_key("forward_rows", cpu, torch.float32, s, 16, {"ROTATE": True})
-    assert tk.launch_tuned(other, configs, launched.append, cpu) == b
+    other = tt.tuning_key("forward_rows", cpu, torch.float32, s, 16, {"ROTATE": True})
+    assert tt.launch_tuned(other, configs, launched.append, cpu) == b
     assert len(clock.calls) == 6  # a new key (another degree) is timed
-    row = tk.tuned()[0]
+    row = tt.tuned()[0]
     assert (row["kernel"], row["H"], row["M"], row["D"], row["degree"]) == (
         "forward_rows", 2, 1, 4, 8)
     assert row["chosen"] == {"BE": 8, "TARGETS": 2, "warps": 1}
@@ -115,20 +116,20 @@ def test_untuned_launch_is_the_heuristic_one(how, monkeypatch):
     order, whatever was tuned before) and CPU tensors by default: the first
     candidate, nothing timed, nothing remembered."""
     import torch
-    a, b = tk.Config(16, 1, 1), tk.Config(8, 2, 1)
+    a, b = tt.Config(16, 1, 1), tt.Config(8, 2, 1)
     clock, launched, configs, cpu = _tuner(monkeypatch, {a: 3.0, b: 1.0})
     if how == "off":
-        monkeypatch.setenv(tk.AUTOTUNE_ENV, "0")
+        monkeypatch.setenv(tt.AUTOTUNE_ENV, "0")
     elif how == "deterministic":
-        monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
-        tk.TUNED[("k", 1)] = b  # even a remembered choice is not used
+        monkeypatch.setenv(tt.AUTOTUNE_ENV, "1")
+        tt.TUNED[("k", 1)] = b  # even a remembered choice is not used
         old = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True)
     else:
-        monkeypatch.delenv(tk.AUTOTUNE_ENV, raising=False)
+        monkeypatch.delenv(tt.AUTOTUNE_ENV, raising=False)
     try:
-        assert tk.launch_tuned(("k", 1), configs, launched.append, cpu) == a
-        assert tk.tuning_enabled(cpu) is False
+        assert tt.launch_tuned(("k", 1), configs, launched.append, cpu) == a
+        assert tt.tuning_enabled(cpu) is False
     finally:
         if how == "deterministic":
             torch.use_deterministic_algorithms(old)
@@ -139,12 +140,12 @@ def test_tuned_rows_are_json(monkeypatch):
     import json
 
     import torch
-    a, b = tk.Config(16, 1, 1), tk.Config(8, 2, 1)
+    a, b = tt.Config(16, 1, 1), tt.Config(8, 2, 1)
     clock, launched, configs, cpu = _tuner(monkeypatch, {a: 3.0, b: 1.0})
-    monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
-    key = tk.tuning_key("backward_cols", cpu, torch.bfloat16, _setup(4, 4), 16,
+    monkeypatch.setenv(tt.AUTOTUNE_ENV, "1")
+    key = tt.tuning_key("backward_cols", cpu, torch.bfloat16, _setup(4, 4), 16,
                         {"NEED_Q": True, "SUM_QD": False})
-    tk.launch_tuned(key, configs, launched.append, cpu)
-    rows = json.loads(json.dumps(tk.tuned()))
+    tt.launch_tuned(key, configs, launched.append, cpu)
+    rows = json.loads(json.dumps(tt.tuned()))
     assert rows[0]["flags"] == {"NEED_Q": True, "SUM_QD": False}
     assert rows[0]["dtype"] == "torch.bfloat16"

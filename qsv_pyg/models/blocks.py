@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
 
 from ..nn import QSVConv
-from ..nn.csr import cached_batch_edge_index
+from ..nn.graph_cache import cached_batch_edge_index
 
 CONV_KINDS = ("qsv", "gat", "gatv2", "transformer")
 
@@ -65,7 +65,7 @@ class GraphConvAdapter(nn.Module):
     mode: the quaternion field and the routing are shared by the batch). PyG's
     convs take 2-D features, so the batch is flattened to ``[B * N, C]`` and the
     graph replicated ``B`` times with per-copy offsets; the replicated
-    ``edge_index`` is the graph cache's (:func:`qsv_pyg.nn.csr.cached_batch_edge_index`),
+    ``edge_index`` is the graph cache's (:func:`qsv_pyg.nn.graph_cache.cached_batch_edge_index`),
     built once per graph and batch size, not every step. Both paths therefore
     see exactly the same edges.
 

@@ -1,6 +1,7 @@
 """Graph layers: :class:`QSVConv`, its attention operator and its reference."""
 from ..quaternion import unit_quaternion
-from .csr import GraphCSR, cache_info, clear_cache, configure_cache, graph_csr
+from .csr import GraphCSR
+from .graph_cache import cache_info, clear_cache, configure_cache, graph_csr
 from .dispatch import choose_path
 from .qsv_conv import PATHS, QSVConv
 from .qsv_kernel import qsv_attend

@@ -2,7 +2,7 @@ r"""The fused path of :class:`~qsv_pyg.nn.QSVConv` and the choice of path.
 
 Every call that the registered operator can take runs as one
 :func:`~qsv_pyg.nn.qsv_kernel.qsv_attend` over the graph's cached
-target-sorted CSR (:mod:`qsv_pyg.nn.csr`): the rotations, the softmax, the
+target-sorted CSR (:mod:`qsv_pyg.nn.csr`, cached by :mod:`qsv_pyg.nn.graph_cache`): the rotations, the softmax, the
 weighted sum and attention dropout (a per-edge mask the operator multiplies
 into the weights). :class:`FusedPathMixin` holds the choice between it and
 PyG's message passing (:mod:`qsv_pyg.nn.message_path`), ``choose_path`` /
@@ -23,7 +23,7 @@ from torch_geometric.typing import Adj, OptTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
 from .checks import check_option
-from .csr import graph_csr
+from .graph_cache import graph_csr
 from .qsv_kernel import qsv_attend
 
 #: The values of ``fused_path``.
@@ -175,7 +175,7 @@ class FusedPathMixin:
         B = x.size(0) if x.dim() == 3 else 1
         per_item = path == "attend_per_item"
         # An EdgeIndex's CSR comes from its own cached CSC / CSR, a plain
-        # tensor's from the process-wide cache (qsv_pyg.nn.csr.graph_csr).
+        # tensor's from the process-wide cache (qsv_pyg.nn.graph_cache.graph_csr).
         graph = graph_csr(edge_index, n_src, num_dst, batch=B if per_item else 0)
         copies = B if per_item else 1
         # The base graph's sorted edges: the first copy's (batch_csr keeps copy 0's

@@ -22,7 +22,7 @@ from torch_geometric.typing import Adj, OptTensor
 from torch_geometric.utils import is_torch_sparse_tensor, softmax
 
 from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
-from .csr import cached_batch_edge_index
+from .graph_cache import cached_batch_edge_index
 from .fused_path import flat_batch
 from .qsv_kernel import distance_logits, routing_logits
 

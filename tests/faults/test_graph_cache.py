@@ -1,5 +1,5 @@
 """Issue 23 (reliability round 2), items 2, 5 and 14, and issue 20 (a host sync
-per new graph; the cache's memory): the CSR cache of :mod:`qsv_pyg.nn.csr`
+per new graph; the cache's memory): the CSR cache of :mod:`qsv_pyg.nn.graph_cache`
 
 - item 2: never serves a stale graph, whatever route changed the values of
   ``edge_index`` (``.data``, ``.numpy()``, a refilled ``torch.from_numpy``
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import qsv_pyg.nn.csr as csr
+import qsv_pyg.nn.graph_cache as csr
 from qsv_pyg.nn import QSVConv, graph_csr
-from qsv_pyg.nn.csr import build_csr, cache_info, clear_cache, configure_cache
+from qsv_pyg.nn.csr import build_csr
+from qsv_pyg.nn.graph_cache import cache_info, clear_cache, configure_cache
 from qsv_pyg.nn.models import QSV
 
 N = 40
