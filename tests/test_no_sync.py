@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsv_pyg.data import BatchAugment
-from qsv_pyg.training import setup, stopping, trainer
+from qsv_pyg.training import readback, setup, stopping, trainer
 from qsv_pyg.training.config import TrainConfig
 from qsv_pyg.training.distributed import DistInfo
 from qsv_pyg.training.state import LoopState
@@ -278,7 +278,7 @@ def test_metrics_read_waits_for_the_previous_step_only(data_dir, tmp_path, monke
     t's copy event only; only the read after the epoch's last step waits for it."""
     waits: list = []
     queued = [0]
-    monkeypatch.setattr(trainer, "_copy_event", lambda device: _FakeEvent(waits, queued))
+    monkeypatch.setattr(readback, "copy_event", lambda device: _FakeEvent(waits, queued))
     with contextlib.ExitStack() as stack:
         run, state = _run("qsv", data_dir, tmp_path / "run", "cpu", stack)
         step = run.scheduler.step
@@ -295,7 +295,7 @@ def test_metrics_read_waits_for_the_previous_step_only(data_dir, tmp_path, monke
 
 def test_readback_copies_into_its_own_buffers():
     """Two host buffers: a push never overwrites values still to be read."""
-    rb = trainer._Readback(torch.device("cpu"))
+    rb = readback.Readback(torch.device("cpu"))
     a = rb.push(torch.tensor([1.0, 2.0]))
     b = rb.push(torch.tensor([3.0, 4.0]))
     assert a != b and rb.read(a) == [1.0, 2.0] and rb.read(b) == [3.0, 4.0]

@@ -85,6 +85,7 @@ from .run_files import write_json
 from .schedule import warmup_cosine_factor
 from .evaluation import WithAuxiliaryLoss, betas, evaluate
 from .setup import Run, build_run, resolve_device
+from .readback import Readback
 from .state import LoopState, reduce_partial
 
 __all__ = ["NonFiniteLossError", "TIMING_FIELDS", "TrainingInterrupted", "WithAuxiliaryLoss",
@@ -188,53 +189,7 @@ class _Progress:
     t_epoch: Optional[float] = None  # perf_counter origin of this epoch's training time
     pending: Optional[tuple] = None  # (step, batch, readback slot) checked one step late
     last_train: Optional[Dict[str, float]] = None
-    readback: Optional["_Readback"] = None  # the host copies of the steps' metrics
-
-
-def _copy_event(device: torch.device) -> Any:
-    """An event marking a queued device-to-host copy: a :class:`torch.cuda.Event`
-    on CUDA, :obj:`None` on the CPU (there the copy is done when ``copy_`` returns)."""
-    return torch.cuda.Event() if device.type == "cuda" else None
-
-
-class _Readback:
-    r"""Each step's ``[loss, correct]`` on its way to the host, read one step late.
-
-    :meth:`push` queues a copy of the device tensor into one of two host
-    buffers (pinned on CUDA, so the copy is asynchronous: ``non_blocking=True``)
-    and records an event after it on the current stream; nothing waits.
-    :meth:`read` waits for *that* event only (the work queued up to the step that
-    pushed it), then reads the host buffer. The loop reads step :math:`t`'s values
-    after step :math:`t + 1` is queued, so the device always has a step to run
-    while the host waits; reading with ``.tolist()`` on the device tensor
-    instead would wait for everything queued so far, step :math:`t + 1` included.
-    Two buffers: a push never overwrites the values still to be read.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        pinned = device.type == "cuda"
-        self.buffers = [torch.empty(2, dtype=torch.float32, pin_memory=pinned)
-                        for _ in range(2)]
-        self.events: list = [None, None]
-        self._next = 0
-
-    def push(self, values: torch.Tensor) -> int:
-        """Queue the copy of ``values`` ``[2]``; returns the slot for :meth:`read`."""
-        slot, self._next = self._next, 1 - self._next
-        self.buffers[slot].copy_(values.detach(), non_blocking=True)
-        event = _copy_event(self.device)
-        if event is not None:
-            event.record()
-        self.events[slot] = event
-        return slot
-
-    def read(self, slot: int) -> list:
-        """The values pushed into ``slot``, waiting only for their own copy."""
-        event, self.events[slot] = self.events[slot], None
-        if event is not None:
-            event.synchronize()
-        return self.buffers[slot].tolist()  # host memory: no device sync
+    readback: Optional[Readback] = None  # the host copies of the steps' metrics
 
 
 def _fit(run: Run, state: LoopState, progress: _Progress,
@@ -320,7 +275,7 @@ def _train_epoch(run: Run, state: LoopState, progress: _Progress,
             # end) lets the GPU run ahead by one step.
             _absorb(run, state, progress)
             if progress.readback is None:
-                progress.readback = _Readback(run.device)
+                progress.readback = Readback(run.device)
             slot = progress.readback.push(torch.stack([loss.detach().float(),
                                                        correct.float()]))
             progress.pending = (step, state.batch, slot)
@@ -337,7 +292,7 @@ def _train_epoch(run: Run, state: LoopState, progress: _Progress,
 
 def _absorb(run: Run, state: LoopState, progress: _Progress) -> None:
     """Check the pending step's loss and add it to the epoch's running sums
-    (waiting for that step's copy only, :class:`_Readback`)."""
+    (waiting for that step's copy only, :class:`~qsv_pyg.training.readback.Readback`)."""
     if progress.pending is None:
         return
     bad_step, bad_batch, slot = progress.pending
