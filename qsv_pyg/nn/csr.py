@@ -1,15 +1,16 @@
 r"""The graph structure: edge index checks and self-loops, the target-sorted
-CSR of a graph, batch copies of a graph, and the one cache of both.
+CSR of a graph and batch copies of a graph (cached by :mod:`qsv_pyg.nn.graph_cache`).
 
 :func:`~qsv_pyg.nn.qsv_kernel.qsv_attend` walks the incoming edges of every
 target (softmax and weighted sum) and, in its backward, the outgoing edges of
 every source. Both orders come from one sort each, done once per graph (as
 PyG's :class:`~torch_geometric.EdgeIndex` caches its sort) and reused while the
-``edge_index`` tensor holds the same values (:func:`graph_csr`). A batch of
-``B`` items over one graph is ``B`` disjoint copies of it, node indices of copy
-``b`` offset by ``b * N`` (:func:`batch_edge_index`, :func:`batch_csr`; both from
-:func:`_copies`); :func:`cached_batch_edge_index` caches the copies in the same
-cache, for message passing (:class:`~qsv_pyg.nn.QSVConv`'s other path, PyG's
+``edge_index`` tensor holds the same values
+(:func:`~qsv_pyg.nn.graph_cache.graph_csr`). A batch of ``B`` items over one
+graph is ``B`` disjoint copies of it, node indices of copy ``b`` offset by
+``b * N`` (:func:`batch_edge_index`, :func:`batch_csr`; both from
+:func:`_copies`); :func:`~qsv_pyg.nn.graph_cache.cached_batch_edge_index`
+caches the copies in the same cache, for message passing (:class:`~qsv_pyg.nn.QSVConv`'s other path, PyG's
 convs in :class:`~qsv_pyg.models.blocks.GraphConvAdapter`). Under
 :func:`torch.compile` the same arrays are built inside the graph on every call
 (sorts of static shape, no host syncs): the cache cannot key on storage there.
@@ -21,14 +22,14 @@ the batch copies (:func:`batch_csr`: an ``arange`` and adds, no sort) are
 computed in the graph.
 
 A :class:`~torch_geometric.EdgeIndex` is not put in this cache: it caches its
-own compressed forms, and :func:`graph_csr` builds its CSR from them
-(:func:`edge_index_csr`: its ``get_csc()`` is the target-sorted order, its
+own compressed forms, and :func:`~qsv_pyg.nn.graph_cache.graph_csr` builds its
+CSR from them (:func:`edge_index_csr`: its ``get_csc()`` is the target-sorted order, its
 ``get_csr()`` or its own row order the source-grouped one), so the sort lives
 and dies with the EdgeIndex, as in PyG's own layers. Its batch copies are an
 EdgeIndex again (:func:`batch_edge_index_of`), also uncached.
 
-The cache itself (:func:`graph_csr`, :func:`cached_batch_edge_index`, its limits and
-verification) is :mod:`qsv_pyg.nn.graph_cache`.
+The cache itself (its keys, verification, limits and guarantees) is
+:mod:`qsv_pyg.nn.graph_cache`.
 """
 from __future__ import annotations
 
