@@ -12,8 +12,9 @@ graph is ``B`` disjoint copies of it, node indices of copy ``b`` offset by
 :func:`_copies`); :func:`~qsv_pyg.nn.graph_cache.cached_batch_edge_index`
 caches the copies in the same cache, for message passing
 (:class:`~qsv_pyg.nn.QSVConv`'s other path, PyG's convs in
-:class:`~qsv_pyg.models.blocks.GraphConvAdapter`). Under :func:`torch.compile` the same arrays are built inside the graph on every call
-(sorts of static shape, no host syncs): the cache cannot key on storage there.
+:class:`~qsv_pyg.models.blocks.GraphConvAdapter`). Under :func:`torch.compile`
+the same arrays are built inside the graph on every call (sorts of static
+shape, no host syncs): the cache cannot key on storage there.
 A static graph avoids that: its owner builds the CSR once, keeps it in module
 buffers and attaches it to the edge index (:func:`attach_static_csr`, as
 :class:`~qsv_pyg.models.GraphNet` does for its graphs); a compiled call then
