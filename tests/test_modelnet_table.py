@@ -216,7 +216,8 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     _write_npz(tmp_path / "data", shapes=24)
     out = tmp_path / "out"
     assert set(M.LONG_ROWS) == {"QSV-geometric augmented long", "DGCNN augmented long",
-                                "PointNet++ augmented long"}
+                                "PointNet++ augmented long",
+                                "QSV-geometric wide augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
     assert set(rows) == {"QSV-geometric augmented long"}
@@ -229,6 +230,10 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"
     assert json.loads((unit / "metrics.json").read_text())["cpu_seconds_train"] < 50
     assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 3)
+    # the width lever: only the width differs from the long row (same recipe, budget)
+    wide = M.ROWS["QSV-geometric wide augmented long"]
+    assert wide[1] == {"hidden_channels": 2 * M._qsv_defaults()["hidden_channels"]}
+    assert wide[2:4] == (("so3",), 3) and "QSV-geometric wide augmented long" in M.AUGMENTED
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
 

@@ -136,6 +136,9 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     # the recommended recipe (augmented SO3 training) at the long budget, and the
     # SO3-augmented controls at the same budget (equal CPU time again)
     "QSV-geometric augmented long": ("qsv", {}, ("so3",), 3, False),
+    # the width lever: the same recipe and budget, every layer twice as wide
+    "QSV-geometric wide augmented long": ("qsv", {"hidden_channels": 2 * _qsv_defaults()[
+        "hidden_channels"]}, ("so3",), 3, False),
     "DGCNN augmented long": ("dgcnn", {}, ("so3",), 1, False),
     "PointNet++ augmented long": ("pointnet2", {}, ("so3",), 1, False),
 }
