@@ -217,7 +217,8 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     out = tmp_path / "out"
     assert set(M.LONG_ROWS) == {"QSV-geometric augmented long", "DGCNN augmented long",
                                 "PointNet++ augmented long",
-                                "QSV-geometric wide augmented long"}
+                                "QSV-geometric wide augmented long",
+                                "VN-DGCNN augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
     assert set(rows) == {"QSV-geometric augmented long"}

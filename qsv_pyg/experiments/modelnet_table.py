@@ -141,6 +141,7 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
         "hidden_channels"]}, ("so3",), 3, False),
     "DGCNN augmented long": ("dgcnn", {}, ("so3",), 1, False),
     "PointNet++ augmented long": ("pointnet2", {}, ("so3",), 1, False),
+    "VN-DGCNN augmented long": ("vn", {}, ("so3",), 3, False),
 }
 #: Rows trained with an augmentation of :data:`AUGMENTATIONS`; the others use none.
 AUGMENTED: Dict[str, str] = {name: "resample+scale" for name in ROWS
