@@ -20,6 +20,7 @@ Examples::
     python benchmarks/bench_geometric.py --data-dir ../shared/data
     python benchmarks/bench_geometric.py --threads 2 --batch-size 32 --out results/geo.json
     python benchmarks/bench_geometric.py --encode --out results/geo_encode.json
+    python benchmarks/bench_geometric.py --encode --hidden-channels 128
 """
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ class GATInPlace(torch.nn.Module):
         return self.conv(x, edge_index, edge_attr=edge_attr)
 
 
-def gat_twin(num_classes: int) -> QSVGeometric:
-    """``QSVGeometric(num_classes)`` with every QSVConv replaced by GATConv."""
-    model = QSVGeometric(num_classes)
+def gat_twin(num_classes: int, **kwargs: Any) -> QSVGeometric:
+    """``QSVGeometric(num_classes, **kwargs)`` with every QSVConv replaced by GATConv."""
+    model = QSVGeometric(num_classes, **kwargs)
     edge_dim = len(EDGE_FEATURES) if model.pair_features else None
     model.convs = torch.nn.ModuleList(
         [GATInPlace(model.hidden_channels, model.heads, edge_dim) for _ in model.convs])
@@ -79,6 +80,9 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--encode", action="store_true",
                         help="compute the kNN graph and frames in every step (SO3 training)")
+    parser.add_argument("--hidden-channels", type=int, default=None,
+                        help="QSVGeometric's hidden_channels for both models (default: "
+                             "the model's default)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -88,7 +92,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     cfg = {"points": args.points, "max_train": args.batch_size * args.batches,
            "max_test": 1}
     pos, y = md.base_sets(str(path), cfg)["train"]
-    models = {"QSVGeometric": QSVGeometric(10), "GATConv in place": gat_twin(10)}
+    kw = {} if args.hidden_channels is None else {"hidden_channels": args.hidden_channels}
+    models = {"QSVGeometric": QSVGeometric(10, **kw), "GATConv in place": gat_twin(10, **kw)}
     shapes = ({"pos": pos.float(), "y": y} if args.encode
               else md.encode(models["QSVGeometric"], pos, y))
     batches = [torch.arange(i * args.batch_size, min((i + 1) * args.batch_size, y.numel()))
@@ -117,7 +122,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
             for name, t in times.items()]
     payload = {"machine": machine_info(torch.device("cpu")), "threads": args.threads,
                "batch_size": args.batch_size, "points": args.points, "encode": args.encode,
-               "k": models["QSVGeometric"].k, "command": " ".join(sys.argv), "rows": rows}
+               "k": models["QSVGeometric"].k,
+               "hidden_channels": models["QSVGeometric"].hidden_channels, "command": " ".join(sys.argv), "rows": rows}
     print(f"{'model':<18} {'params':>8} {'ms/step':>9} {'÷ GAT':>6} {'s/epoch est':>12}")
     for r in rows:
         print(f"{r['model']:<18} {r['params']:>8,} {r['ms_per_step']:>9.1f} "

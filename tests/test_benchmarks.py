@@ -116,6 +116,15 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert all(isinstance(c.conv, GATConv) and c.conv.lin_edge is not None for c in twin.convs)
     assert 0.98 < rows["GATConv in place"]["params"] / rows["QSVGeometric"]["params"] < 1.0
     assert json.loads((tmp_path / "g.json").read_text())["rows"] == payload["rows"]
+    # --hidden-channels: both models at that width (the wide row's matched GAT twin)
+    wide = bench_geometric.main(["--data-dir", str(tmp_path), "--dataset", "Toy",
+                                 "--points", "24", "--batch-size", "4", "--batches", "1",
+                                 "--repeats", "1", "--hidden-channels", "32"])
+    wide_rows = {r["model"]: r for r in wide["rows"]}
+    assert wide["hidden_channels"] == 32 and payload["hidden_channels"] == 64
+    assert wide_rows["QSVGeometric"]["params"] < rows["QSVGeometric"]["params"]
+    assert abs(wide_rows["GATConv in place"]["params"] / wide_rows["QSVGeometric"][
+        "params"] - 1) < 0.01
     # --encode: every step starts from the positions (SO3 training), for both models
     calls = []
     real = bench_geometric.QSVGeometric.geometry
