@@ -103,12 +103,15 @@ def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str,
     fig, ax = plt.subplots(figsize=figsize)
     x = np.arange(len(COLUMNS))
     width = 0.8 / max(len(rows), 1)
+    # one colour per row (the default cycle repeats after ten rows)
+    colours = (plt.get_cmap("tab20").colors if len(rows) <= 20
+               else plt.get_cmap("turbo")(np.linspace(0, 1, len(rows))))
     for i, (name, row) in enumerate(rows.items()):
         vals = [row["columns"][c] for c in COLUMNS]
         means = [100 * statistics.fmean(v) if v else np.nan for v in vals]
         stds = [100 * statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
         ax.bar(x + (i - (len(rows) - 1) / 2) * width, means, width, yerr=stds, label=name,
-               capsize=2)
+               capsize=2, color=colours[i])
     ax.axhline(100 * chance, ls="--", color="gray", lw=1, label="chance")
     ax.set_xticks(x, [f"train {c.split('/')[0]}\ntest {c.split('/')[1]}" for c in COLUMNS])
     ax.set_ylabel("test accuracy (%)")
