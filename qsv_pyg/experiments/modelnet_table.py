@@ -17,10 +17,10 @@ augmented``) train the same models SO3/SO3 with a fresh anisotropic scaling and
 a fresh draw of the points of every shape in every epoch
 (:func:`~qsv_pyg.experiments.modelnet_data.augment_shapes`);
 the other rows see the same points of every shape in every epoch. The long rows
-(:data:`LONG_ROWS`, ``--rows long``) are QSV-geometric, DGCNN and PointNet++
-augmented again at ``--long-budget-cpu-s`` (default 3,600): what the
-recommended recipe reaches with more time, against the SO3-augmented controls
-at the same budget.
+(:data:`LONG_ROWS`, ``--rows long``) are QSV-geometric (at its default width and
+twice as wide), DGCNN, PointNet++ and VN-DGCNN augmented again at
+``--long-budget-cpu-s`` (default 3,600): what the recommended recipe reaches
+with more time, against the SO3-augmented controls at the same budget.
 
 **Units and the budget.** A unit is (row, train protocol, seed). It trains
 until its process-clock budget (``--budget-cpu-s``; ``time.process_time`` of
