@@ -123,7 +123,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     payload = {"machine": machine_info(torch.device("cpu")), "threads": args.threads,
                "batch_size": args.batch_size, "points": args.points, "encode": args.encode,
                "k": models["QSVGeometric"].k,
-               "hidden_channels": models["QSVGeometric"].hidden_channels, "command": " ".join(sys.argv), "rows": rows}
+               "hidden_channels": models["QSVGeometric"].hidden_channels,
+               "command": " ".join(sys.argv), "rows": rows}
     print(f"{'model':<18} {'params':>8} {'ms/step':>9} {'÷ GAT':>6} {'s/epoch est':>12}")
     for r in rows:
         print(f"{r['model']:<18} {r['params']:>8,} {r['ms_per_step']:>9.1f} "
