@@ -121,7 +121,8 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
                                  "--points", "24", "--batch-size", "4", "--batches", "1",
                                  "--repeats", "1", "--hidden-channels", "32"])
     wide_rows = {r["model"]: r for r in wide["rows"]}
-    assert wide["hidden_channels"] == 32 and payload["hidden_channels"] == 64
+    assert wide["hidden_channels"] == 32  # the default: the model's
+    assert payload["hidden_channels"] == bench_geometric.QSVGeometric(10).hidden_channels
     assert wide_rows["QSVGeometric"]["params"] < rows["QSVGeometric"]["params"]
     assert abs(wide_rows["GATConv in place"]["params"] / wide_rows["QSVGeometric"][
         "params"] - 1) < 0.01

@@ -145,6 +145,13 @@ def test_every_row_builds_and_controls_match_qsv_parameters():
         n = sum(p.numel() for p in M.build_model(name, 10).parameters())
         if M.ROWS[name][0] != "qsv":
             assert abs(n - target) <= 0.05 * target, (name, n, target)
+    # rows that do not set the width run at the table's (the committed runs' width),
+    # the wide rows at the model's default since the width lever
+    from qsv_pyg.nn.models import QSVGeometric
+    assert T.TABLE_WIDTH == 64 and M.build_model("QSV-geometric", 10).hidden_channels == 64
+    assert target == sum(p.numel() for p in M.build_model("QSV-geometric", 10).parameters())
+    assert M.build_model("QSV-geometric wide augmented long", 10).hidden_channels == \
+        QSVGeometric(10).hidden_channels == 2 * T.TABLE_WIDTH
     ablations = [n for n in M.ROW_NAMES if M.ROWS[n][4]]
     # the defaults at the ablation budget, then one ablation per switch
     assert ablations[0] == M.ABLATION_REFERENCE and M.ROWS[ablations[0]][1] == {}
@@ -200,9 +207,10 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
     metrics = json.loads((out / "Toy" / "qsv-geometric-augmented" / "so3" / "seed0" /
                           "metrics.json").read_text())
     assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
-    assert set(rows) == set(M.AUGMENTED) - set(M.LONG_ROWS)  # --rows augmented: not the long
+    # --rows augmented: not the long and longer rows
+    assert set(rows) == set(M.AUGMENTED) - set(M.LONG_ROWS) - set(M.LONGER_ROWS)
     assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")} | \
-        set(M.LONG_ROWS)
+        set(M.LONG_ROWS) | set(M.LONGER_ROWS)
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
         T.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
@@ -233,10 +241,39 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     assert M.ROWS["QSV-geometric augmented long"][:4] == ("qsv", {}, ("so3",), 3)
     # the width lever: only the width differs from the long row (same recipe, budget)
     wide = M.ROWS["QSV-geometric wide augmented long"]
-    assert wide[1] == {"hidden_channels": 2 * M._qsv_defaults()["hidden_channels"]}
+    assert wide[1] == {"hidden_channels": 2 * T.TABLE_WIDTH}
     assert wide[2:4] == (("so3",), 3) and "QSV-geometric wide augmented long" in M.AUGMENTED
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
+
+
+def test_longer_row_is_the_wide_row_at_the_longer_budget(tmp_path):
+    """``--rows longer``: the wide row's model and recipe at ``--longer-budget-cpu-s``
+    (default twice the long budget), whatever the other budgets say."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    assert M.LONGER_ROWS == ("QSV-geometric wide augmented longer",)
+    assert M.LONGER_BUDGET_CPU_S == 2 * M.LONG_BUDGET_CPU_S
+    assert M.select_rows("longer") == list(M.LONGER_ROWS)
+    assert not set(M.LONGER_ROWS) & set(M.LONG_ROWS)
+    longer = M.ROWS["QSV-geometric wide augmented longer"]
+    assert longer == M.ROWS["QSV-geometric wide augmented long"]
+    assert M.AUGMENTED["QSV-geometric wide augmented longer"] == "resample+scale"
+    args = M.parse_args(["--data-dir", str(tmp_path / "data"), "--dataset", "Toy",
+                         "--rows", "longer", "--out-root", str(out)])
+    assert args.longer_budget_cpu_s == M.LONGER_BUDGET_CPU_S
+    rows = M.main(_args(tmp_path / "data", out, "--rows", "longer", "--seeds", "1",
+                        "--budget-cpu-s", "100", "--long-budget-cpu-s", "100",
+                        "--longer-budget-cpu-s", "1"))
+    assert set(rows) == {"QSV-geometric wide augmented longer"}
+    unit = out / "Toy" / "qsv-geometric-wide-augmented-longer" / "so3" / "seed0"
+    cfg = json.loads((unit / "config.json").read_text())
+    assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"
+    assert cfg["model_kwargs"] == {"hidden_channels": 2 * T.TABLE_WIDTH}
+    with pytest.raises(SystemExit):
+        M.main(_args(tmp_path / "data", out, "--rows", "longer", "--longer-budget-cpu-s",
+                     "-1"))
 
 
 class _Stop(Exception):

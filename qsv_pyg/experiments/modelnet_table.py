@@ -1,6 +1,8 @@
 r"""The ModelNet10 rotation table at equal CPU time per unit.
 
-Rows: :class:`~qsv_pyg.nn.models.QSVGeometric` (its defaults) and one ablation
+Rows: :class:`~qsv_pyg.nn.models.QSVGeometric` (its defaults at the table's width,
+:data:`~qsv_pyg.experiments.modelnet_train.TABLE_WIDTH` = 64, unless a row sets
+``hidden_channels``: the model's default became 128 after the width lever) and one ablation
 per switch (compared with the defaults trained at the same ablation budget,
 :data:`ABLATION_REFERENCE`), a Vector Neurons control (:class:`~qsv_pyg.models.point_controls.VNDGCNN`,
 parameter-matched to QSVGeometric), DGCNN and PointNet++ (PyG's layers,
@@ -17,10 +19,12 @@ augmented``) train the same models SO3/SO3 with a fresh anisotropic scaling and
 a fresh draw of the points of every shape in every epoch
 (:func:`~qsv_pyg.experiments.modelnet_data.augment_shapes`);
 the other rows see the same points of every shape in every epoch. The long rows
-(:data:`LONG_ROWS`, ``--rows long``) are QSV-geometric (at its default width and
-twice as wide), DGCNN, PointNet++ and VN-DGCNN augmented again at
+(:data:`LONG_ROWS`, ``--rows long``) are QSV-geometric (at the table's width and
+twice as wide, the model's default since), DGCNN, PointNet++ and VN-DGCNN augmented again at
 ``--long-budget-cpu-s`` (default 3,600): what the recommended recipe reaches
-with more time, against the SO3-augmented controls at the same budget.
+with more time, against the SO3-augmented controls at the same budget. The longer
+row (:data:`LONGER_ROWS`, ``--rows longer``) is the wide row at twice that budget
+(``--longer-budget-cpu-s``, default 7,200), without controls at that budget.
 
 **Units and the budget.** A unit is (row, train protocol, seed). It trains
 until its process-clock budget (``--budget-cpu-s``; ``time.process_time`` of
@@ -76,7 +80,7 @@ import torch
 
 from . import modelnet_report
 from .modelnet_data import MAX_POINTS, TESTS, base_sets, find_npz, load_arrays
-from .modelnet_train import model_of, train_unit, warm_up
+from .modelnet_train import TABLE_WIDTH, model_of, train_unit, warm_up
 from .units import add_data_dir_arg, check_folder, fail, finished_unit, run_in_workers, run_unit
 
 __all__ = ["ROWS", "ROW_NAMES", "AUGMENTED", "LONG_ROWS", "LONGER_ROWS", "main", "report", "build_model",
@@ -137,11 +141,11 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     # SO3-augmented controls at the same budget (equal CPU time again)
     "QSV-geometric augmented long": ("qsv", {}, ("so3",), 3, False),
     # the width lever: the same recipe and budget, every layer twice as wide
-    "QSV-geometric wide augmented long": ("qsv", {"hidden_channels": 2 * _qsv_defaults()[
-        "hidden_channels"]}, ("so3",), 3, False),
+    "QSV-geometric wide augmented long": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
+                                          ("so3",), 3, False),
     # the budget lever: the wide row's recipe at twice the long budget
-    "QSV-geometric wide augmented longer": ("qsv", {"hidden_channels": 2 * _qsv_defaults()[
-        "hidden_channels"]}, ("so3",), 3, False),
+    "QSV-geometric wide augmented longer": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
+                                            ("so3",), 3, False),
     "DGCNN augmented long": ("dgcnn", {}, ("so3",), 1, False),
     "PointNet++ augmented long": ("pointnet2", {}, ("so3",), 1, False),
     "VN-DGCNN augmented long": ("vn", {}, ("so3",), 3, False),
@@ -209,8 +213,8 @@ def select_rows(spec: Optional[str]) -> List[str]:
             continue
         if part == "ablations":
             names = [n for n in ROW_NAMES if ROWS[n][4]]
-        elif part == "augmented":  # the long rows have their own selector
-            names = [n for n in AUGMENTED if n not in LONG_ROWS]
+        elif part == "augmented":  # the long and longer rows have their own selectors
+            names = [n for n in AUGMENTED if n not in LONG_ROWS + LONGER_ROWS]
         elif part == "long":
             names = list(LONG_ROWS)
         elif part == "longer":

@@ -84,8 +84,10 @@ class QSVGeometric(torch.nn.Module):
     Args:
         out_channels (int): Output size (classes, or an embedding size).
         hidden_channels (int, optional): Width of every layer; a multiple of
-            ``4 * heads`` (whole quaternion blocks per head).
-            (default: :obj:`64`)
+            ``4 * heads`` (whole quaternion blocks per head). The default is the
+            width that validation chose on ModelNet10 (docs/real_benchmarks.md,
+            "The width lever"); 64 costs about 0.7x the time per step.
+            (default: :obj:`128`)
         heads (int, optional): Attention heads per layer (all read the frame's
             quaternion). (default: :obj:`4`)
         num_layers (int, optional): Layers without hierarchy (default: 3); with
@@ -132,7 +134,7 @@ class QSVGeometric(torch.nn.Module):
     def __init__(
         self,
         out_channels: int,
-        hidden_channels: int = 64,
+        hidden_channels: int = 128,
         heads: int = 4,
         num_layers: Optional[int] = None,
         k: int = 20,
