@@ -276,6 +276,39 @@ def test_longer_row_is_the_wide_row_at_the_longer_budget(tmp_path):
                      "-1"))
 
 
+def test_budget_curves_group_one_recipe_across_budgets(tmp_path):
+    """The budget figure's data: SO3-trained units of one recipe (only the budget
+    differs) at two budgets or more; another width, augmentation or protocol is
+    another recipe, and a recipe at one budget has no curve."""
+    from qsv_pyg.experiments import modelnet_report as R
+
+    def unit(row, budget, seed, test, val, kw=None, augment="resample+scale", train="so3"):
+        cfg = {"row": row, "family": "qsv", "model_kwargs": kw or {}, "train": train,
+               "seed": seed, "budget_cpu_s": budget, "lr": 1e-3, "points": 512,
+               "batch_size": 32, "n_train": 10, "npz": "a.npz", "num_classes": 10}
+        if augment:
+            cfg["augment"] = augment
+        return {"config": cfg, "metrics": {"params": 100 if not kw else 400,
+                                           "test": {"so3": test}, "val": val}}
+
+    units = [unit("a", 1500.0, 0, 0.80, 0.82), unit("a", 1500.0, 1, 0.82, 0.84),
+             unit("a long", 3600.0, 0, 0.85, 0.87),
+             unit("wide", 3600.0, 0, 0.87, 0.88, {"hidden_channels": 128}),
+             unit("wide longer", 7200.0, 0, 0.89, 0.90, {"hidden_channels": 128}),
+             unit("plain", 3600.0, 0, 0.5, 0.5, augment=None),  # one budget: no curve
+             unit("aligned", 7200.0, 0, 0.9, 0.9, train="aligned")]
+    units[-1]["metrics"]["test"] = {"aligned": 0.9}
+    curves = R.budget_curves(units)
+    assert [c["rows"] for c in curves] == [["a", "a long"], ["wide", "wide longer"]]
+    assert curves[0]["label"] == "QSV-geometric 100 params augmented"
+    assert curves[0]["budgets"] == {1500.0: {"test": [0.80, 0.82], "val": [0.82, 0.84],
+                                             "seeds": [0, 1]},
+                                    3600.0: {"test": [0.85], "val": [0.87], "seeds": [0]}}
+    assert list(curves[1]["budgets"]) == [3600.0, 7200.0]
+    R.plot_budget(tmp_path / "budget.png", curves, "t")
+    assert (tmp_path / "budget.png").stat().st_size > 0
+
+
 class _Stop(Exception):
     pass
 

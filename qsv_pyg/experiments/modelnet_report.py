@@ -1,5 +1,5 @@
 r"""The ModelNet10 rotation table's report: ``table.{md,csv}``, ``results.json``,
-``accuracy.png`` and ``published_modelnet40.md`` from the finished run folders
+``accuracy.png``, ``budget.png`` and ``published_modelnet40.md`` from the finished run folders
 (:mod:`qsv_pyg.experiments.units` reads them; damaged run files are named and left
 out). :mod:`qsv_pyg.experiments.modelnet_table` runs the table and calls
 :func:`report`.
@@ -17,7 +17,7 @@ from ..training.run_files import atomic_write, write_csv, write_json, write_text
 from .modelnet_data import COLUMNS, LABEL, TESTS
 from .units import NUMBER, fail, read_units
 
-__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "collect", "report"]
+__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "budget_curves", "collect", "report"]
 
 #: Published context, ModelNet40 (40 classes), NOT ModelNet10:
 #: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
@@ -92,6 +92,83 @@ def collect(dataset_root: Path, order: Sequence[str] = ()
     return rows, units
 
 
+#: The names of the model families (``config.json``'s ``family``) in the budget figure.
+FAMILY_LABEL = {"qsv": "QSV-geometric", "vn": "VN-DGCNN", "dgcnn": "DGCNN",
+                "pointnet2": "PointNet++"}
+#: What makes two SO3-trained units the same recipe at different budgets.
+RECIPE_KEYS = ("family", "model_kwargs", "augment", "lr", "points", "batch_size",
+               "n_train", "npz")
+
+
+def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The SO3/SO3 accuracy of every recipe trained at two or more budgets: SO3-trained
+    units grouped by :data:`RECIPE_KEYS` (so only the budget differs), each group as
+    ``{"label", "params", "rows", "budgets": {budget: {"test": [...], "val": [...],
+    "seeds": [...]}}}`` (budgets ascending, units in seed order)."""
+    import json
+    groups: Dict[str, Dict[str, Any]] = {}
+    for unit in units:
+        cfg, metrics = unit["config"], unit["metrics"]
+        if cfg["train"] != "so3" or "so3" not in metrics["test"]:
+            continue
+        key = json.dumps([cfg.get(k) for k in RECIPE_KEYS], sort_keys=True)
+        kw = cfg.get("model_kwargs") or {}
+        label = " ".join([FAMILY_LABEL.get(cfg.get("family"), str(cfg.get("family"))),
+                          f"{metrics['params']:,} params",
+                          *(f"{k}={v}" for k, v in sorted(kw.items())
+                            if k != "hidden_channels"),
+                          "augmented" if cfg.get("augment") else "not augmented"])
+        group = groups.setdefault(key, {"label": label, "params": metrics["params"],
+                                        "rows": [], "budgets": {}})
+        if cfg["row"] not in group["rows"]:
+            group["rows"].append(cfg["row"])
+        at = group["budgets"].setdefault(float(cfg["budget_cpu_s"]),
+                                         {"test": [], "val": [], "seeds": []})
+        at["test"].append(metrics["test"]["so3"])
+        at["val"].append(metrics["val"])
+        at["seeds"].append(cfg["seed"])
+    curves = []
+    for group in groups.values():
+        if len(group["budgets"]) < 2:
+            continue
+        group["budgets"] = dict(sorted(group["budgets"].items()))
+        curves.append(group)
+    return sorted(curves, key=lambda g: (g["label"].split()[0], g["params"], g["label"]))
+
+
+def plot_budget(path: Path, curves: Sequence[Dict[str, Any]], title: str) -> None:
+    """``budget.png``: SO3/SO3 test accuracy (solid, mean ± std over seeds) and
+    validation accuracy (dashed) against the CPU budget per unit, one colour per
+    recipe of :func:`budget_curves`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 6))
+    colours = plt.get_cmap("tab10").colors
+    for i, curve in enumerate(curves):
+        budgets = list(curve["budgets"])
+        colour = colours[i % len(colours)]
+        for field, style in (("test", "-o"), ("val", "--")):
+            vals = [curve["budgets"][b][field] for b in budgets]
+            means = [100 * statistics.fmean(v) for v in vals]
+            stds = [100 * statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+            ax.errorbar(budgets, means, yerr=stds, fmt=style, color=colour, capsize=3,
+                        label=curve["label"] + (" (val)" if field == "val" else ""))
+    ax.set_xscale("log")
+    ticks = sorted({b for curve in curves for b in curve["budgets"]})
+    ax.set_xticks(ticks, [f"{b:g}" for b in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("CPU budget per unit (process-clock seconds)")
+    ax.set_ylabel("SO3/SO3 accuracy (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    plt.close(fig)
+
+
 def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str,
          figsize: Tuple[float, float] = (12, 5), legend_columns: int = 4) -> None:
     """``accuracy.png``: test accuracy per protocol column (bars: rows, mean ± std
@@ -126,8 +203,9 @@ def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str,
 
 def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[str] = ()
            ) -> Dict[str, Dict[str, Any]]:
-    """``out_root/table.{md,csv}``, ``results.json`` and ``accuracy.png`` from the
-    finished units under ``out_root/dataset``, rows in ``order``."""
+    """``out_root/table.{md,csv}``, ``results.json``, ``accuracy.png`` and (with a
+    recipe trained at two budgets or more) ``budget.png`` from the finished units
+    under ``out_root/dataset``, rows in ``order``."""
     out_root = Path(out_root)
     rows, units = collect(out_root / dataset, order)
     if not rows:
@@ -161,8 +239,10 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
         out_root.mkdir(parents=True, exist_ok=True)
         write_text(out_root / "table.md", text)
         write_csv(out_root / "table.csv", columns, table)
+        curves = budget_curves(units)
         write_json(out_root / "results.json", {"title": title, "columns": columns,
-                                               "rows": table, "units": units})
+                                               "rows": table, "units": units,
+                                               "budget_curves": curves})
         pub_cols = ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"]
         pub = [f"### Published context: {PUBLISHED_NOTE}", "",
                "| " + " | ".join(pub_cols) + " |", "|" + "---|" * len(pub_cols)]
@@ -170,6 +250,10 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
         write_text(out_root / "published_modelnet40.md", "\n".join(pub) + "\n")
         plot(out_root / "accuracy.png", rows, 1 / num_classes,
              f"{dataset}, {budgets} CPU-s per unit; {settings}")
+        if curves:
+            plot_budget(out_root / "budget.png", curves,
+                        f"{dataset}: SO3/SO3 accuracy against the CPU budget per unit "
+                        f"(test solid, validation dashed; mean ± std)")
     except OSError as error:
         fail(f"cannot write the report under {out_root}: {error}")
     if not quiet:
