@@ -6,6 +6,7 @@ out). :mod:`qsv_pyg.experiments.modelnet_table` runs the table and calls
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -105,7 +106,6 @@ def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     units grouped by :data:`RECIPE_KEYS` (so only the budget differs), each group as
     ``{"label", "params", "rows", "budgets": {budget: {"test": [...], "val": [...],
     "seeds": [...]}}}`` (budgets ascending, units in seed order)."""
-    import json
     groups: Dict[str, Dict[str, Any]] = {}
     for unit in units:
         cfg, metrics = unit["config"], unit["metrics"]

@@ -83,8 +83,8 @@ from .modelnet_data import MAX_POINTS, TESTS, base_sets, find_npz, load_arrays
 from .modelnet_train import TABLE_WIDTH, model_of, train_unit, warm_up
 from .units import add_data_dir_arg, check_folder, fail, finished_unit, run_in_workers, run_unit
 
-__all__ = ["ROWS", "ROW_NAMES", "AUGMENTED", "LONG_ROWS", "LONGER_ROWS", "main", "report", "build_model",
-           "select_rows", "slug"]
+__all__ = ["ROWS", "ROW_NAMES", "AUGMENTED", "LONG_ROWS", "LONGER_ROWS", "main", "report",
+           "build_model", "select_rows", "slug"]
 
 DATASET = "ModelNet10"
 OUT_ROOT = "docs/results/modelnet_table"
@@ -224,9 +224,8 @@ def select_rows(spec: Optional[str]) -> List[str]:
         elif part in ROWS or part in by_slug:
             names = [by_slug.get(part, part)]
         else:
-            fail(f"--rows: unknown row {part!r}; choose from all, main, ablations, augmented, long, "
-                 f"longer, "
-                 f"{', '.join(by_slug)}")
+            fail(f"--rows: unknown row {part!r}; choose from all, main, ablations, augmented, "
+                 f"long, longer, {', '.join(by_slug)}")
         out += [n for n in names if n not in out]
     if not out:
         fail("--rows selects no row")
