@@ -65,6 +65,10 @@ CONFIGS = {
                                           edge_message=True, source_logit=True),
     "source only": dict(source_logit=True),
     "message, projected": dict(edge_dim=4, edge_message=True, project_input=True),
+    "loops mean, message target": dict(edge_dim=4, add_self_loops=True,
+                                       edge_message="target"),
+    "message target, source, projected": dict(edge_dim=3, edge_message="target",
+                                              source_logit=True, project_input=True),
 }
 
 
@@ -108,7 +112,8 @@ def test_both_paths_match_the_literal_formula(config, routing, transport, monkey
         assert g_fast[1].abs().sum() > 0
 
 
-@pytest.mark.parametrize("config", ["edge_dim=4", "loops tensor, message, source"])
+@pytest.mark.parametrize("config", ["edge_dim=4", "loops tensor, message, source",
+                                    "loops mean, message target"])
 def test_float32_fast_path_on_every_cpu_backend(config, impl, monkeypatch):
     """The C++ kernel and the PyTorch implementation of the operator, float32."""
     kwargs = CONFIGS[config]
@@ -122,10 +127,11 @@ def test_float32_fast_path_on_every_cpu_backend(config, impl, monkeypatch):
     torch.testing.assert_close(alpha, ref_alpha, rtol=1e-5, atol=1e-5)
 
 
-def test_bipartite_inputs_with_edge_features(monkeypatch):
+@pytest.mark.parametrize("mode", [True, "target"])
+def test_bipartite_inputs_with_edge_features(mode, monkeypatch):
     """Source and target sets of different sizes and widths (GATConv's
     ``(x_src, x_dst)``), isolated targets, with every edge option."""
-    conv = make((10, 6), heads=2, edge_dim=3, edge_message=True, source_logit=True,
+    conv = make((10, 6), heads=2, edge_dim=3, edge_message=mode, source_logit=True,
                 add_self_loops=False)
     xs = torch.randn(9, 10, generator=gen(9), dtype=torch.float64)
     xd = torch.randn(5, 6, generator=gen(10), dtype=torch.float64)
@@ -138,7 +144,7 @@ def test_bipartite_inputs_with_edge_features(monkeypatch):
     conv.fused_path = "never"
     torch.testing.assert_close(run(conv, (xs, xd), ei, ea)[0], ref, **TOL64)
     # given quaternions and no target features (x_dst None, quat pair)
-    conv = make((10, 6), heads=2, edge_dim=3, edge_message=True, quat_source="given",
+    conv = make((10, 6), heads=2, edge_dim=3, edge_message=mode, quat_source="given",
                 root_weight=False)
     qs = random_unit_quaternion(9, 2, generator=gen(13), dtype=torch.float64)
     qd = random_unit_quaternion(5, 2, generator=gen(14), dtype=torch.float64)
@@ -148,14 +154,15 @@ def test_bipartite_inputs_with_edge_features(monkeypatch):
     torch.testing.assert_close(alpha, ref_alpha, **TOL64)
 
 
+@pytest.mark.parametrize("mode", [True, "target"])
 @pytest.mark.parametrize("quat_kind", ["shared field", "per item"])
-def test_batched_static_graph_with_edge_features(quat_kind, monkeypatch):
+def test_batched_static_graph_with_edge_features(quat_kind, mode, monkeypatch):
     """``[B, N, C]`` over one graph with one ``[E, D]`` of edge features: the
     shared path (one field, the batch as channels) and the per-item path
     (feature quaternions; the per-source term) equal the items one by one."""
     B, n = 3, 6
     per_item = quat_kind == "per item"
-    conv = make(8, heads=2, edge_dim=2, edge_message=True, source_logit=per_item,
+    conv = make(8, heads=2, edge_dim=2, edge_message=mode, source_logit=per_item,
                 quat_source="features" if per_item else "given", add_self_loops=True)
     x = torch.randn(B, n, 8, generator=gen(15), dtype=torch.float64)
     ei = edges(n, 14, seed=16)
@@ -431,6 +438,8 @@ def test_bad_edge_features_name_the_problem(build, call, match):
     (dict(edge_dim=True), "edge_dim must be a positive integer"),
     (dict(edge_message=True), "needs edge_dim"),
     (dict(in_channels=-1, edge_dim=2, edge_message=True), "needs the source width"),
+    (dict(edge_message="target"), "needs edge_dim"),
+    (dict(edge_dim=2, edge_message="sideways"), "edge_message must be False, True or one"),
 ])
 def test_bad_edge_options_name_the_problem(kwargs, match):
     kwargs = {"in_channels": 8, **kwargs}

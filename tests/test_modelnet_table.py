@@ -226,6 +226,7 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     assert set(M.LONG_ROWS) == {"QSV-geometric augmented long", "DGCNN augmented long",
                                 "PointNet++ augmented long",
                                 "QSV-geometric wide augmented long",
+                                "QSV-geometric wide target messages augmented long",
                                 "VN-DGCNN augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
@@ -243,6 +244,11 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     wide = M.ROWS["QSV-geometric wide augmented long"]
     assert wide[1] == {"hidden_channels": 2 * T.TABLE_WIDTH}
     assert wide[2:4] == (("so3",), 3) and "QSV-geometric wide augmented long" in M.AUGMENTED
+    # the edge-message lever: only edge_message differs from the wide row
+    name = "QSV-geometric wide target messages augmented long"
+    lever = M.ROWS[name]
+    assert lever[1] == {**wide[1], "edge_message": "target"}
+    assert lever[2:4] == wide[2:4] and name in M.AUGMENTED
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
 

@@ -90,7 +90,9 @@ def max_change(m: QSVGeometric, clouds, seed: int = 1) -> float:
     {"hierarchy": ((1.0, 6), (0.5, 8), (0.25, 12))},
     {"transport": "identity", "routing": "uniform", "pair_features": False},
     {"routing": "geometric", "edge_message": True, "source_logit": True},
-], ids=["default", "hierarchy", "identity-uniform-nopairs", "geometric-edge-message"])
+    {"edge_message": "target", "hierarchy": ((1.0, 6), (0.5, 8))},
+], ids=["default", "hierarchy", "identity-uniform-nopairs", "geometric-edge-message",
+        "edge-message-target-hierarchy"])
 def test_float64_logits_are_invariant_to_rotations_and_translations(kw):
     clouds = [blob(96, s) for s in range(3)] + [blob(64, 9)]
     m = model(**kw)

@@ -143,6 +143,11 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     # the width lever: the same recipe and budget, every layer twice as wide
     "QSV-geometric wide augmented long": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
                                           ("so3",), 3, False),
+    # the edge-message lever: the wide row with the pair features also in the
+    # messages, added in the target's frame (QSVConv's edge_message="target")
+    "QSV-geometric wide target messages augmented long": (
+        "qsv", {"hidden_channels": 2 * TABLE_WIDTH, "edge_message": "target"}, ("so3",), 3,
+        False),
     # the budget lever: the wide row's recipe at twice the long budget
     "QSV-geometric wide augmented longer": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
                                             ("so3",), 3, False),

@@ -4,8 +4,10 @@ As in :class:`~torch_geometric.nn.conv.GATConv`, ``edge_dim`` gives the layer
 a bias-free per-head score of the edge features, :math:`(\mathbf{W}_e
 e_{ij})_h` (``lin_edge``), added to the logit; the added self-loops'
 features are ``fill_value``. ``edge_message`` also embeds the edge features
-into the message, :math:`\mathbf{W}_m e_{ij}` (``lin_edge_msg``) joining
-:math:`\mathbf{x}_j` before the transport, and ``source_logit`` adds GAT's
+into the message, :math:`\mathbf{W}_m e_{ij}` (``lin_edge_msg``): joining
+:math:`\mathbf{x}_j` before the transport (``"source"``, or :obj:`True`) or
+added after it, in the target's frame (``"target"``: TransformerConv's edge
+term), and ``source_logit`` adds GAT's
 source half, :math:`a_h^\top \mathbf{x}_j` (``lin_source``).
 :class:`EdgeFeaturesMixin` holds these maps' set-up, the check of
 ``edge_attr``, and their terms on both of the layer's paths: the operator's
@@ -26,6 +28,15 @@ from torch_geometric.utils import is_torch_sparse_tensor
 from ..quaternion import matrix_rotate_blocks, quaternion_to_matrix
 from .checks import check_finite, check_float
 from .qsv_kernel import distance_logits
+
+#: ``edge_message`` values (besides :obj:`False`): the frame the embedding
+#: :math:`\mathbf{W}_m e_{ij}` is written in. ``"source"`` (also :obj:`True`):
+#: it joins :math:`\mathbf{x}_j` before the transport and is rotated with it
+#: (per edge and channel: about as costly as materialising the messages).
+#: ``"target"``: it is added to the transported message, in the target's frame,
+#: so only :math:`\sum_j \alpha_{ij} e_{ij}` (``edge_dim`` numbers per target
+#: and head) is aggregated.
+EDGE_MESSAGES = ("source", "target")
 
 
 class EdgeFeaturesMixin:
@@ -49,9 +60,16 @@ class EdgeFeaturesMixin:
                 edge_dim, int) or (edge_dim < 1 and edge_dim != -1)):
             raise ValueError(f"edge_dim must be a positive integer, -1 (lazy) or None, "
                              f"got {edge_dim!r}")
+        if edge_message is True:
+            edge_message = "source"
+        if edge_message is not False and edge_message is not None and \
+                edge_message not in EDGE_MESSAGES:
+            raise ValueError(f"edge_message must be False, True or one of {EDGE_MESSAGES}, "
+                             f"got {edge_message!r}")
+        edge_message = edge_message or False
         if edge_message and edge_dim is None:
-            raise ValueError("edge_message=True embeds the edge features into the "
-                             "messages: it needs edge_dim")
+            raise ValueError(f"edge_message={edge_message!r} embeds the edge features into "
+                             f"the messages: it needs edge_dim")
         self.edge_dim = edge_dim
         self.fill_value = fill_value
         self.edge_message = edge_message
@@ -143,13 +161,28 @@ class EdgeFeaturesMixin:
     def _edge_message_sum(self, graph, base_perm: Tensor, copies: int, edge_attr: Tensor,
                           weights: Tensor, q_src: OptTensor, q_dst: OptTensor,
                           num_dst: int, C: int) -> Tensor:
-        r"""The edge features' part of the aggregate, :math:`Q_i^\top \sum_j
-        \alpha_{ij} Q_j \mathbf{W}_m e_{ij}` ``[N_dst', H, C / 4, 4]`` (the
-        embedding joins :math:`x_j` in the source's frame, so the transport
-        rotates it as the message): PyTorch ops around the operator, in float32
-        (as the operator), differentiable through the weights."""
+        r"""The edge features' part of the aggregate ``[N_dst', H, C / 4, 4]``:
+        :math:`Q_i^\top \sum_j \alpha_{ij} Q_j \mathbf{W}_m e_{ij}` with
+        ``edge_message="source"`` (the embedding joins :math:`x_j` in the
+        source's frame, so the transport rotates it as the message), or
+        :math:`\mathbf{W}_m \sum_j \alpha_{ij} e_{ij}` with ``"target"`` (per
+        head; only the ``edge_dim`` features are aggregated): PyTorch ops around
+        the operator, in float32 (as the operator), differentiable through the
+        weights."""
         assert self.lin_edge_msg is not None
         H = self.heads
+        if self.edge_message == "target":
+            dt = weights.dtype
+            with torch.autocast(weights.device.type, enabled=False):
+                e = edge_attr.to(dt)[base_perm]
+                if copies > 1:
+                    e = e.repeat(copies, 1)
+                D = e.size(1)
+                s = e.new_zeros(num_dst, H, D).index_add(
+                    0, graph.row, weights.view(-1, H, 1) * e.view(-1, 1, D))
+                w = self.lin_edge_msg.weight.to(dt).view(H, C, D)
+                y = torch.einsum("nhd,hcd->nhc", s, w)
+            return y.view(num_dst, H, C // 4, 4)
         emb = self.lin_edge_msg(edge_attr[base_perm])
         if copies > 1:
             emb = emb.repeat(copies, 1)
@@ -183,9 +216,11 @@ class EdgeFeaturesMixin:
     def _with_edge_embedding(self, x_j: Tensor, edge_attr: OptTensor,
                              rot_j: OptTensor) -> Tensor:
         """``message``'s source features plus the edge embedding
-        :math:`W_m e_{ij}` (with ``edge_message``), rotated by ``rot_j``."""
+        :math:`W_m e_{ij}` (with ``edge_message``), rotated by ``rot_j``: the
+        source's rotation (``"source"``: it joins :math:`x_j` in the source's
+        frame, rotated by :math:`q_j` as :math:`x_j` was) or the target's
+        (``"target"``: the aggregate's final :math:`Q_i^\top` undoes it)."""
         if self.lin_edge_msg is not None and edge_attr is not None:
-            # W_m e_ij joins x_j in the source's frame: rotated by q_j as x_j was.
             emb = self.lin_edge_msg(edge_attr.view(-1, 1) if edge_attr.dim() == 1
                                     else edge_attr)
             emb = emb.view(*x_j.shape[:-1], -1, 4)

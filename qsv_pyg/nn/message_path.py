@@ -66,14 +66,20 @@ class MessagePathMixin:
         if rot_src is not None:
             v = matrix_rotate_blocks(rot_src, v)
         v = v.reshape(*lead, H, C)
-        # The message's edge embedding is rotated by q_j in message().
-        rot_msg = rot_src if self.edge_message else None
+        # The message's edge embedding is rotated in message(): by q_j when it is
+        # written in the source's frame, by q_i in the target's (the final
+        # rotation by q_i^* below then leaves it as it is).
+        side = 0 if self.edge_message == "source" else 1
+        rot_msg = (rot_src, rot_dst)[side] if self.edge_message else None
+
+        def rot_pair(r: OptTensor) -> Tuple[OptTensor, OptTensor]:
+            return (r, None) if side == 0 else (None, r)
         if x.dim() == 2:
             size = (x.size(0), num_dst)
             alpha = self.edge_updater(edge_index, q=(q_src, q_dst), pos=pos,
                                       edge_attr=edge_attr, s=(src_score, None), size=size)
             z = self.propagate(edge_index, x=(v, None), alpha=alpha, edge_attr=edge_attr,
-                               rot=(rot_msg, None), size=size)
+                               rot=rot_pair(rot_msg), size=size)
         else:
             if not isinstance(edge_index, Tensor) or is_torch_sparse_tensor(edge_index):
                 raise ValueError("batched [B, N, C] inputs need a plain [2, E] edge_index")
@@ -83,15 +89,16 @@ class MessagePathMixin:
             flat_attr = None if edge_attr is None else edge_attr.repeat(B, 1)
             flat_score = None if src_score is None else src_score.reshape(B * n_src, H)
             if rot_msg is not None:
-                rot_msg = rot_msg.reshape(B * n_src, H, 3, 3) if rot_msg.dim() == 5 else \
-                    rot_msg.unsqueeze(0).expand(B, *rot_msg.shape).reshape(B * n_src, H, 3, 3)
+                n = (n_src, num_dst)[side]
+                rot_msg = rot_msg.reshape(B * n, H, 3, 3) if rot_msg.dim() == 5 else \
+                    rot_msg.unsqueeze(0).expand(B, *rot_msg.shape).reshape(B * n, H, 3, 3)
             alpha = self.edge_updater(
                 flat_index, q=(flat_batch(q_src, B), flat_batch(q_dst, B)),
                 pos=(flat_batch(pos[0], B), flat_batch(pos[1], B)), edge_attr=flat_attr,
                 s=(flat_score, None), size=size)
             z = self.propagate(flat_index, x=(v.reshape(B * n_src, H, C), None),
-                               alpha=alpha, edge_attr=flat_attr, rot=(rot_msg, None),
-                               size=size)
+                               alpha=alpha, edge_attr=flat_attr,
+                               rot=rot_pair(rot_msg), size=size)
             z, alpha = z.view(B, num_dst, H, C), alpha.view(B, -1, H)
         if rot_dst is not None:
             z = matrix_rotate_blocks(rot_dst.transpose(-1, -2),
@@ -121,5 +128,6 @@ class MessagePathMixin:
         return F.dropout(alpha, p=self.dropout, training=self.training)
 
     def message(self, x_j: Tensor, alpha: Tensor, edge_attr: OptTensor,
-                rot_j: OptTensor) -> Tensor:
-        return alpha.unsqueeze(-1) * self._with_edge_embedding(x_j, edge_attr, rot_j)
+                rot_j: OptTensor, rot_i: OptTensor) -> Tensor:
+        rot = rot_j if rot_i is None else rot_i  # at most one is given
+        return alpha.unsqueeze(-1) * self._with_edge_embedding(x_j, edge_attr, rot)

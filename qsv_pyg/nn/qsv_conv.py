@@ -179,13 +179,18 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
             a value, a ``[edge_dim]`` tensor, or a reduction of each target's
             incoming edge features (``"add"``, ``"mean"``, ``"min"``,
             ``"max"``, ``"mul"``), as in GATConv. (default: :obj:`"mean"`)
-        edge_message (bool, optional): Also add an embedding
+        edge_message (bool or str, optional): Also add an embedding
             :math:`\mathbf{W}_m e_{ij}` (``lin_edge_msg``, to the padded source
-            width) to :math:`\mathbf{x}_j` before the transport, so it is
-            rotated with it: the message is :math:`r_{ij} (\mathbf{x}_j +
-            \mathbf{W}_m e_{ij}) r_{ij}^*`. The embedding has the source
-            features' channel layout (blocks of four per head; component 0
-            kept, components 1-3 rotated, read in the source's frame); needs
+            width) to the message. :obj:`True` or ``"source"``: to
+            :math:`\mathbf{x}_j` before the transport, so it is rotated with
+            it: the message is :math:`r_{ij} (\mathbf{x}_j + \mathbf{W}_m
+            e_{ij}) r_{ij}^*` (the embedding has the source features' channel
+            layout: blocks of four per head, component 0 kept, components 1-3
+            rotated, read in the source's frame; it costs about as much as
+            materialising the messages). ``"target"``: after the transport, in
+            the target's frame, as TransformerConv adds its edge embedding:
+            :math:`r_{ij} \mathbf{x}_j r_{ij}^* + \mathbf{W}_m e_{ij}` (only
+            :math:`\sum_j \alpha_{ij} e_{ij}` is aggregated: cheap). Needs
             ``edge_dim`` and a known source width. (default: :obj:`False`)
         source_logit (bool, optional): Add a per-head linear score of the source
             features :math:`a_h^\top \mathbf{x}_j` (``lin_source``; of the
@@ -236,7 +241,7 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
         check_finite: Union[bool, str] = "auto",
         edge_dim: Optional[int] = None,
         fill_value: Union[float, Tensor, str] = "mean",
-        edge_message: bool = False,
+        edge_message: Union[bool, str] = False,
         source_logit: bool = False,
         dense_path: Optional[str] = None,
         **kwargs,
@@ -586,5 +591,5 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
                 f"transport={self.transport}"
                 + (", project_input=True" if self.project_input else "")
                 + (f", edge_dim={self.edge_dim}" if self.edge_dim is not None else "")
-                + (", edge_message=True" if self.edge_message else "")
+                + (f", edge_message={self.edge_message!r}" if self.edge_message else "")
                 + (", source_logit=True" if self.source_logit else "") + ")")

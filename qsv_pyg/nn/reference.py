@@ -31,8 +31,9 @@ def qsv_conv_reference(
     (:math:`\beta_h \mathrm{Re}\, r_{ij}`, its absolute value, zero, or
     :math:`-\beta_h |p_i - p_j|^2`) plus, with ``edge_dim``, the edge score
     :math:`(\mathbf{W}_e e_{ij})_h` and, with ``source_logit``, the source score
-    :math:`a_h^\top x_j`; with ``edge_message`` the transported message is
-    :math:`r_{ij} \otimes (x_j + \mathbf{W}_m e_{ij}) \otimes r_{ij}^*`.
+    :math:`a_h^\top x_j`; with ``edge_message="source"`` the transported message is
+    :math:`r_{ij} \otimes (x_j + \mathbf{W}_m e_{ij}) \otimes r_{ij}^*`, with
+    ``"target"`` it is :math:`r_{ij} \otimes x_j \otimes r_{ij}^* + \mathbf{W}_m e_{ij}`.
 
     Args:
         conv: the layer whose parameters are used.
@@ -89,11 +90,16 @@ def qsv_conv_reference(
             alpha[mask] = torch.softmax(logits[mask], dim=0)
 
     xj = x_src[src].view(E, H, C // 4, 4)
-    if conv.edge_message and edge_attr is not None:  # joins x_j before the transport
-        xj = xj + (edge_attr @ conv.lin_edge_msg.weight.t()).view(E, H, C // 4, 4)
+    emb = None
+    if conv.edge_message and edge_attr is not None:
+        emb = (edge_attr @ conv.lin_edge_msg.weight.t()).view(E, H, C // 4, 4)
+    if emb is not None and conv.edge_message == "source":  # joins x_j before the transport
+        xj = xj + emb
     if conv.transport == "sandwich":
         rr = r.unsqueeze(2)  # one rotation per edge and head, shared by its blocks
         xj = hamilton_product(hamilton_product(rr, xj), conjugate(rr))
+    if emb is not None and conv.edge_message == "target":  # in the target's frame
+        xj = xj + emb
     msg = alpha.view(E, H, 1, 1) * xj
     z = torch.zeros(num_dst, H, C // 4, 4, dtype=x_src.dtype, device=x_src.device)
     z = z.index_add(0, dst, msg).view(num_dst, H, C)

@@ -105,9 +105,11 @@ class QSVGeometric(torch.nn.Module):
             :math:`(0, 1]`). Kept points keep their frames. (default: :obj:`None`)
         pair_features (bool, optional): Feed the point-pair features as edge
             features (QSVConv's ``edge_dim``). (default: :obj:`True`)
-        edge_message (bool, optional): Also add the edge features into the
-            messages (QSVConv's ``edge_message``: embedded in the source's
-            frame and transported with it). (default: :obj:`False`)
+        edge_message (bool or str, optional): Also add the edge features into
+            the messages (QSVConv's ``edge_message``): :obj:`True` or
+            ``"source"`` (embedded in the source's frame and transported with
+            it; about 7x the time per step) or ``"target"`` (added in the
+            target's frame after the transport; cheap). (default: :obj:`False`)
         source_logit (bool, optional): Add GAT's per-source score
             :math:`\mathbf{a}_h^\top \mathbf{x}_j` to the logits (QSVConv's
             ``source_logit``). (default: :obj:`False`)
@@ -140,7 +142,7 @@ class QSVGeometric(torch.nn.Module):
         k: int = 20,
         hierarchy: Union[bool, Sequence[Tuple[float, int]], None] = None,
         pair_features: bool = True,
-        edge_message: bool = False,
+        edge_message: Union[bool, str] = False,
         source_logit: bool = False,
         transport: str = "sandwich",
         routing: str = "abs",
@@ -192,7 +194,8 @@ class QSVGeometric(torch.nn.Module):
             raise ValueError(f"QSVGeometric: frame_rule={frame_rule!r} is not one of "
                              f"{FRAME_RULES}")
         if edge_message and not pair_features:
-            raise ValueError("QSVGeometric: edge_message=True needs pair_features=True")
+            raise ValueError(f"QSVGeometric: edge_message={edge_message!r} needs "
+                             f"pair_features=True")
         self.pair_features = pair_features
         self.edge_message = edge_message
         self.source_logit = source_logit
@@ -209,7 +212,7 @@ class QSVGeometric(torch.nn.Module):
         if pair_features:
             conv_kw["edge_dim"] = len(EDGE_FEATURES)
             if edge_message:
-                conv_kw["edge_message"] = True
+                conv_kw["edge_message"] = edge_message
         self.convs = torch.nn.ModuleList(
             [QSVConv(h, h // heads, **conv_kw) for _ in range(self.num_layers)])
         self.norms = torch.nn.ModuleList(
@@ -378,5 +381,7 @@ class QSVGeometric(torch.nn.Module):
         return (f"{self.__class__.__name__}({self.out_channels}, hidden_channels="
                 f"{self.hidden_channels}, heads={self.heads}, num_layers={self.num_layers}, "
                 f"k={self.k}{extra}, pair_features={self.pair_features}, "
-                f"transport={self.transport!r}, routing={self.routing!r}, "
+                + (f"edge_message={self.edge_message!r}, " if self.edge_message else "")
+                + ("source_logit=True, " if self.source_logit else "")
+                + f"transport={self.transport!r}, routing={self.routing!r}, "
                 f"frame_rule={self.frame_rule!r})")
