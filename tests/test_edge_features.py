@@ -583,3 +583,43 @@ def test_qsv_model_trims_the_edge_features_with_the_layers():
                     num_sampled_edges_per_hop=[3, 3])
     assert trimmed.size(0) == 6
     torch.testing.assert_close(trimmed[:3], full[:3])
+
+
+# ------------------------- edge_message="target": the aggregated edge features
+@pytest.mark.parametrize("graph_kind", ["knn-like", "skewed", "isolated targets"])
+def test_weighted_row_sums_padded_and_index_add_agree(graph_kind, monkeypatch):
+    """``sum_j w_ij,h e_ij`` per target: the padded batched product (kNN-like
+    degrees) and the ``index_add`` fallback (skewed degrees, forced on CUDA and
+    under compile) give the same sums and gradients (float64)."""
+    from qsv_pyg.nn import edge_features as ef
+    from qsv_pyg.nn.graph_cache import graph_csr
+    n = 12
+    if graph_kind == "knn-like":  # 4 sources per target, one edge dropped
+        dst = torch.arange(n).repeat_interleave(4)[1:]
+        src = (dst + torch.arange(dst.numel()) % 5 + 1) % n
+    elif graph_kind == "skewed":  # one hub target: padding would be far over 2x
+        src = torch.arange(n).repeat(3)
+        dst = torch.cat([torch.zeros(2 * n, dtype=torch.long), torch.arange(n)])
+    else:  # targets 0, 5 and 11 receive nothing
+        dst = torch.tensor([1, 1, 2, 3, 3, 4, 6, 7, 8, 9, 10, 10])
+        src = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0])
+    ei = torch.stack([src, dst])
+    graph = graph_csr(ei, n, n)
+    E = ei.size(1)
+    w = torch.rand(E, 3, generator=gen(40), dtype=torch.float64, requires_grad=True)
+    e = torch.randn(E, 5, generator=gen(41), dtype=torch.float64, requires_grad=True)
+    ref = torch.zeros(n, 3, 5, dtype=torch.float64).index_add(
+        0, graph.row, w.view(-1, 3, 1) * e.view(-1, 1, 5))
+    out = ef._weighted_row_sums(graph, w, e, n)
+    padded = []
+    monkeypatch.setattr(torch, "bmm", lambda *a: padded.append(1) or torch.matmul(*a))
+    out = ef._weighted_row_sums(graph, w, e, n)
+    monkeypatch.undo()
+    assert bool(padded) == (graph_kind != "skewed")
+    torch.testing.assert_close(out, ref, **TOL64)
+    cot = torch.randn(ref.shape, generator=gen(42), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * cot).sum(), [w, e]),
+                    torch.autograd.grad((ref * cot).sum(), [w, e])):
+        torch.testing.assert_close(a, b, **TOL64)
+    if graph_kind == "isolated targets":
+        assert not out[[0, 5, 11]].any()

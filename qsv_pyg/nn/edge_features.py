@@ -21,6 +21,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from torch_geometric import is_compiling
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.typing import Adj, OptTensor, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor
@@ -37,6 +38,30 @@ from .qsv_kernel import distance_logits
 #: so only :math:`\sum_j \alpha_{ij} e_{ij}` (``edge_dim`` numbers per target
 #: and head) is aggregated.
 EDGE_MESSAGES = ("source", "target")
+
+
+def _weighted_row_sums(graph, weights: Tensor, e: Tensor, num_dst: int) -> Tensor:
+    r""":math:`s_{i,h} = \sum_j w_{ij,h} e_{ij}` ``[num_dst, H, D]`` of the
+    target-sorted edges' weights ``[E, H]`` and features ``[E, D]``.
+
+    On CPU (eager) the rows are padded to the largest degree and summed by one
+    batched matrix product, ``[N, H, k] @ [N, k, D]``, when the padding at most
+    doubles the edges (kNN graphs): about a sixth of the time of the
+    ``[E, H, D]`` products that :meth:`~torch.Tensor.index_add` sums, forward
+    and backward. Elsewhere (CUDA: the largest degree would be a host sync;
+    under :func:`torch.compile`; skewed degrees) it is that ``index_add``."""
+    H, D = weights.size(1), e.size(1)
+    E = e.size(0)
+    if not weights.is_cuda and not is_compiling() and num_dst > 0 and E > 0:
+        degree = graph.rowptr[1:] - graph.rowptr[:-1]
+        k = int(degree.max())
+        if num_dst * k <= 2 * E:
+            slot = torch.arange(E, device=e.device) - graph.rowptr[graph.row]
+            wp = weights.new_zeros(num_dst, k, H).index_put((graph.row, slot), weights)
+            ep = e.new_zeros(num_dst, k, D).index_put((graph.row, slot), e)
+            return torch.bmm(wp.transpose(1, 2), ep)
+    return e.new_zeros(num_dst, H, D).index_add(0, graph.row,
+                                                weights.view(-1, H, 1) * e.view(-1, 1, D))
 
 
 class EdgeFeaturesMixin:
@@ -177,10 +202,8 @@ class EdgeFeaturesMixin:
                 e = edge_attr.to(dt)[base_perm]
                 if copies > 1:
                     e = e.repeat(copies, 1)
-                D = e.size(1)
-                s = e.new_zeros(num_dst, H, D).index_add(
-                    0, graph.row, weights.view(-1, H, 1) * e.view(-1, 1, D))
-                w = self.lin_edge_msg.weight.to(dt).view(H, C, D)
+                s = _weighted_row_sums(graph, weights, e, num_dst)
+                w = self.lin_edge_msg.weight.to(dt).view(H, C, e.size(1))
                 y = torch.einsum("nhd,hcd->nhc", s, w)
             return y.view(num_dst, H, C // 4, 4)
         emb = self.lin_edge_msg(edge_attr[base_perm])
