@@ -487,7 +487,8 @@ def test_compiled_layer_calls_the_operator_and_matches_eager():
         torch.testing.assert_close(a, b, **TOL32)
 
 
-def test_layer_with_edge_features_on_the_triton_path():
+@pytest.mark.parametrize("edge_message", [True, "target"])
+def test_layer_with_edge_features_on_the_triton_path(edge_message):
     """QSVConv with edge features in the logit and the message, the per-source
     term and geometric routing (all in the additive term) on the Triton kernels:
     output and the gradients of the features and edge features against the
@@ -495,7 +496,7 @@ def test_layer_with_edge_features_on_the_triton_path():
     from qsv_pyg.nn import QSVConv, qsv_conv_reference
     torch.manual_seed(16)
     n = 6
-    conv = QSVConv(8, 3, heads=2, edge_dim=2, edge_message=True, source_logit=True,
+    conv = QSVConv(8, 3, heads=2, edge_dim=2, edge_message=edge_message, source_logit=True,
                    routing="geometric", add_self_loops=True).double().eval()
     ei = random_graph(n, n, 12, seed=17, isolated=())
     ei = ei[:, ei[0] != ei[1]]
