@@ -78,6 +78,58 @@ def test_unit_trains_to_its_budget_and_annealed(tiny):
     # invariant model: the three test protocols agree
     assert len(set(metrics["test"].values())) == 1
     assert 0.0 <= metrics["val"] <= 1.0
+    # per-class results: the confusion matrices count every shape and give the accuracies
+    assert sum(map(sum, metrics["val_confusion"])) == config["n_val"]
+    for protocol in ("aligned", "z", "so3"):
+        matrix = metrics["test_confusion"][protocol]
+        assert sum(map(sum, matrix)) == config["n_test"]
+        assert sum(matrix[c][c] for c in range(2)) / config["n_test"] == \
+            pytest.approx(metrics["test"][protocol])
+        per = [matrix[c][c] / sum(matrix[c]) for c in range(2)]
+        assert metrics["test_per_class"][protocol] == pytest.approx(per)
+        assert metrics["test_balanced"][protocol] == pytest.approx(sum(per) / 2)
+    assert 0.0 <= metrics["val_balanced"] <= 1.0
+
+
+def test_confusion_class_accuracy_and_balanced_weights():
+    y = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    pred = torch.tensor([0, 0, 1, 0, 1, 0, 2])
+    matrix = D.confusion(pred, y, 4)
+    assert matrix == [[3, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    per, balanced = D.class_accuracy(matrix)
+    assert per[:3] == [0.75, 0.5, 1.0] and per[3] != per[3]  # NaN: no shapes of class 3
+    assert balanced == pytest.approx((0.75 + 0.5 + 1.0) / 3)
+    w = D.class_weights(y, 4)
+    # n / (C n_c): every present class carries the same total weight, an absent one none
+    assert torch.allclose(w, torch.tensor([7 / 16, 7 / 8, 7 / 4, 0.0]))
+    totals = w[y].view(-1).double()
+    assert torch.allclose(torch.stack([totals[y == c].sum() for c in range(3)]),
+                          torch.full((3,), 7 / 4, dtype=torch.float64))
+
+
+def test_class_weighted_row_records_its_weighting_and_trains(tmp_path):
+    """The class-weighting lever: only ``class_weights`` (and the row) differ from
+    the wide row; the unit records it and trains with it (an unknown weighting is
+    refused)."""
+    torch.set_num_threads(1)
+    name = "QSV-geometric wide balanced augmented long"
+    assert M.ROWS[name] == M.ROWS["QSV-geometric wide augmented long"]
+    assert M.CLASS_WEIGHTED == {name: "balanced"} and name in M.AUGMENTED
+    assert name in M.LONG_ROWS
+    _write_npz(tmp_path / "data", shapes=24)
+    out = tmp_path / "out"
+    M.main(_args(tmp_path / "data", out, "--rows", M.slug(name), "--seeds", "1",
+                 "--long-budget-cpu-s", "1"))
+    unit = out / "Toy" / M.slug(name) / "so3" / "seed0"
+    cfg = json.loads((unit / "config.json").read_text())
+    assert cfg["class_weights"] == "balanced" and cfg["augment"] == "resample+scale"
+    metrics = json.loads((unit / "metrics.json").read_text())
+    assert set(metrics["test_balanced"]) == {"so3"}
+    table = (out / "table.md").read_text()
+    assert "val SO3 balanced" in table
+    with pytest.raises(ValueError, match="unknown class weighting"):
+        T.train_unit({**cfg, "class_weights": "inverse"}, str(tmp_path / "data" / "Toy" /
+                                                            "toy.npz"), lambda _: None)
 
 
 def test_rerun_reuses_finished_units_and_report_files(tiny, capsys):
@@ -227,6 +279,7 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
                                 "PointNet++ augmented long",
                                 "QSV-geometric wide augmented long",
                                 "QSV-geometric wide target messages augmented long",
+                                "QSV-geometric wide balanced augmented long",
                                 "VN-DGCNN augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from .units import fail
 __all__ = ["TESTS", "LABEL", "COLUMNS", "MAX_POINTS", "AUGMENTATIONS", "SCALE_RANGE",
            "find_npz", "load_arrays", "stratified_split", "unit_sphere", "normalise",
            "augment_shapes", "rotations", "rotate", "base_sets", "encode", "forward",
-           "accuracy"]
+           "predictions", "accuracy", "confusion", "class_accuracy", "class_weights",
+           "CLASS_WEIGHTS"]
 
 REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")
 #: Train protocol -> its test protocols (the columns are train/test).
@@ -58,6 +59,11 @@ MAX_POINTS = 1024
 #: ``SamplePoints`` on every access); then rotated as the protocol says.
 AUGMENTATIONS = ("resample+scale",)
 SCALE_RANGE = AXIS_SCALES  # qsv_pyg.transforms.RandomAxisScale's default
+#: The loss weightings a row may use (``config.json``'s ``"class_weights"``; rows
+#: without one weight every shape alike): ``"balanced"`` (:func:`class_weights`).
+#: ModelNet10's training split is imbalanced (889 chairs, 106 bathtubs) and its
+#: official test split nearly balanced (50-100 shapes per class).
+CLASS_WEIGHTS = ("balanced",)
 
 
 def find_npz(data_root: Path, dataset: str, npz: Optional[str]) -> Path:
@@ -285,14 +291,45 @@ def forward(model: torch.nn.Module, shapes: Dict[str, Tensor], idx: Tensor
 
 
 @torch.no_grad()
+def predictions(model: torch.nn.Module, shapes: Dict[str, Tensor], batch_size: int = 64
+                ) -> Tensor:
+    """The predicted class of every shape (eval mode)."""
+    model.eval()
+    count = shapes["y"].numel()
+    out = [forward(model, shapes, torch.arange(start, min(start + batch_size, count))
+                   ).argmax(-1) for start in range(0, count, batch_size)]
+    return torch.cat(out) if out else shapes["y"].new_empty(0)
+
+
 def accuracy(model: torch.nn.Module, shapes: Dict[str, Tensor], batch_size: int = 64
              ) -> float:
-    model.eval()
+    """The fraction of ``shapes`` classified correctly (NaN for none)."""
     count = shapes["y"].numel()
     if count == 0:
         return float("nan")
-    correct = 0
-    for start in range(0, count, batch_size):
-        idx = torch.arange(start, min(start + batch_size, count))
-        correct += int((forward(model, shapes, idx).argmax(-1) == shapes["y"][idx]).sum())
-    return correct / count
+    return int((predictions(model, shapes, batch_size) == shapes["y"]).sum()) / count
+
+
+def confusion(pred: Tensor, y: Tensor, num_classes: int) -> List[List[int]]:
+    """``[true class][predicted class]`` counts."""
+    flat = torch.bincount(y.long() * num_classes + pred.long(),
+                          minlength=num_classes * num_classes)
+    return flat.view(num_classes, num_classes).tolist()
+
+
+def class_accuracy(matrix: Sequence[Sequence[int]]) -> Tuple[List[float], float]:
+    """Per-class accuracy (recall; NaN for a class without shapes) of a
+    :func:`confusion` matrix, and their mean over the classes present (the
+    balanced accuracy, which a class-balanced test set's accuracy approaches)."""
+    per = [row[i] / sum(row) if sum(row) else float("nan") for i, row in enumerate(matrix)]
+    present = [a for a in per if not math.isnan(a)]
+    return per, (sum(present) / len(present) if present else float("nan"))
+
+
+def class_weights(y: Tensor, num_classes: int) -> Tensor:
+    """``"balanced"`` loss weights (:data:`CLASS_WEIGHTS`): ``n / (C n_c)`` per class
+    of the training labels ``y`` (scikit-learn's "balanced"), so every class
+    contributes equally to the expected loss; 0 for a class without shapes."""
+    counts = torch.bincount(y.long(), minlength=num_classes).double()
+    w = y.numel() / (num_classes * counts.clamp_min(1))
+    return torch.where(counts > 0, w, torch.zeros_like(w)).float()

@@ -78,7 +78,8 @@ def collect(dataset_root: Path, order: Sequence[str] = ()
                                    check=_unit_problem):
         units.append({"config": cfg, "metrics": metrics})
         row = rows.setdefault(cfg["row"], {"params": metrics["params"], "time": [],
-                                           "epochs": [], "val": {}, "seeds": set(),
+                                           "epochs": [], "val": {}, "val_balanced": {},
+                                           "seeds": set(),
                                            "budget": set(),
                                            "columns": {c: [] for c in COLUMNS}})
         row["time"].append(metrics["cpu_seconds_per_epoch"])
@@ -86,6 +87,8 @@ def collect(dataset_root: Path, order: Sequence[str] = ()
         row["seeds"].add(cfg["seed"])
         row["budget"].add(cfg["budget_cpu_s"])
         row["val"].setdefault(cfg["train"], []).append(metrics["val"])
+        if isinstance(metrics.get("val_balanced"), (int, float)):  # units since stop 46
+            row["val_balanced"].setdefault(cfg["train"], []).append(metrics["val_balanced"])
         for protocol, acc in metrics["test"].items():
             row["columns"][f"{LABEL[cfg['train']]}/{LABEL[protocol]}"].append(acc)
     rank = {name: i for i, name in enumerate(order)}
@@ -97,8 +100,8 @@ def collect(dataset_root: Path, order: Sequence[str] = ()
 FAMILY_LABEL = {"qsv": "QSV-geometric", "vn": "VN-DGCNN", "dgcnn": "DGCNN",
                 "pointnet2": "PointNet++"}
 #: What makes two SO3-trained units the same recipe at different budgets.
-RECIPE_KEYS = ("family", "model_kwargs", "augment", "lr", "points", "batch_size",
-               "n_train", "npz")
+RECIPE_KEYS = ("family", "model_kwargs", "augment", "class_weights", "lr", "points",
+               "batch_size", "n_train", "npz")
 
 
 def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -117,7 +120,9 @@ def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                           f"{metrics['params']:,} params",
                           *(f"{k}={v}" for k, v in sorted(kw.items())
                             if k != "hidden_channels"),
-                          "augmented" if cfg.get("augment") else "not augmented"])
+                          "augmented" if cfg.get("augment") else "not augmented",
+                          *([f"class_weights={cfg['class_weights']}"]
+                            if cfg.get("class_weights") else [])])
         group = groups.setdefault(key, {"label": label, "params": metrics["params"],
                                         "rows": [], "budgets": {}})
         if cfg["row"] not in group["rows"]:
@@ -218,8 +223,8 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
     title = (f"{dataset} under rotations at equal CPU time per unit ({budgets} CPU-s, "
              f"process clock, encoding included): test accuracy (%) after the budget, "
              f"mean ± std over seeds; {settings}; chance {100 / num_classes:.1f} %")
-    columns = ["model", "params", *COLUMNS, "val aligned", "val SO3", "CPU-s/epoch",
-               "epochs", "budget CPU-s", "seeds"]
+    columns = ["model", "params", *COLUMNS, "val aligned", "val SO3", "val SO3 balanced",
+               "CPU-s/epoch", "epochs", "budget CPU-s", "seeds"]
     table = []
     for name, row in rows.items():
         cells = {"model": name, "params": f"{row['params']:,}",
@@ -228,7 +233,8 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
                  "budget CPU-s": "/".join(f"{b:g}" for b in sorted(row["budget"])),
                  "seeds": str(len(row["seeds"])),
                  "val aligned": fmt(row["val"].get("aligned", [])),
-                 "val SO3": fmt(row["val"].get("so3", []))}
+                 "val SO3": fmt(row["val"].get("so3", [])),
+                 "val SO3 balanced": fmt(row["val_balanced"].get("so3", []))}
         for c in COLUMNS:
             cells[c] = fmt(row["columns"][c])
         table.append(cells)

@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from .modelnet_data import (AUGMENTATIONS, ROTATION_SEED, TESTS, accuracy, augment_shapes,
-                            base_sets, encode, forward, rotate, rotations)
+from .modelnet_data import (AUGMENTATIONS, CLASS_WEIGHTS, ROTATION_SEED, TESTS,
+                            augment_shapes, base_sets, class_accuracy, class_weights,
+                            confusion, encode, forward, predictions, rotate, rotations)
 from .units import UnitCheckpoint
 
 __all__ = ["FAMILIES", "TABLE_WIDTH", "model_of", "target_params", "train_unit", "warm_up",
@@ -118,6 +119,10 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     aug_gen = torch.Generator().manual_seed(20_000 + cfg["seed"])
     train_pos, train_y = sets["train"]
     count = train_y.numel()
+    weighting = cfg.get("class_weights")
+    if weighting is not None and weighting not in CLASS_WEIGHTS:
+        raise ValueError(f"unknown class weighting {weighting!r}; choose from {CLASS_WEIGHTS}")
+    loss_weight = None if weighting is None else class_weights(train_y, cfg["num_classes"])
     fixed = encode(model, train_pos, train_y) \
         if cfg["train"] == "aligned" and augment is None else None
     encode_seconds = used()
@@ -164,7 +169,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
                 group["lr"] = cfg["lr"] * cosine(prog)
             optimizer.zero_grad()
             out = forward(model, train, idx)
-            loss = torch.nn.functional.cross_entropy(out, train["y"][idx])
+            loss = torch.nn.functional.cross_entropy(out, train["y"][idx], weight=loss_weight)
             loss.backward()
             optimizer.step()
             step += 1
@@ -209,15 +214,29 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
     if cfg["train"] == "so3":
         val_rot = rotations("so3", val_y.numel(),
                             torch.Generator().manual_seed(ROTATION_SEED["val_so3"]))
-    val = accuracy(model, encode(model, rotate(val_pos, val_rot), val_y))
+    classes = cfg["num_classes"]
+
+    def evaluate(pos: torch.Tensor, y: torch.Tensor, rot: Optional[torch.Tensor]):
+        """(accuracy, confusion matrix, per-class accuracies, balanced accuracy)"""
+        pred = predictions(model, encode(model, rotate(pos, rot), y))
+        matrix = confusion(pred, y, classes)
+        per, balanced = class_accuracy(matrix)
+        return (int((pred == y).sum()) / y.numel() if y.numel() else float("nan"),
+                matrix, per, balanced)
+
+    val, val_confusion, val_per_class, val_balanced = evaluate(val_pos, val_y, val_rot)
     test_pos, test_y = sets["test"]
-    test = {}
+    test, test_confusion, test_per_class, test_balanced = {}, {}, {}, {}
     for protocol in TESTS[cfg["train"]]:
         g = torch.Generator().manual_seed(ROTATION_SEED.get(protocol, 0))
         rot = rotations(protocol, test_y.numel(), g)
-        test[protocol] = accuracy(model, encode(model, rotate(test_pos, rot), test_y))
+        (test[protocol], test_confusion[protocol], test_per_class[protocol],
+         test_balanced[protocol]) = evaluate(test_pos, test_y, rot)
     return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "test": test,
-            "val": val, "params": count_parameters(model),
+            "val": val, "val_balanced": val_balanced, "val_per_class": val_per_class,
+            "val_confusion": val_confusion, "test_balanced": test_balanced,
+            "test_per_class": test_per_class, "test_confusion": test_confusion,
+            "params": count_parameters(model),
             "epochs": len(epoch_seconds), "epochs_trained": shapes_seen / count,
             "epochs_run": epoch, "steps": step, "planned_epochs": planned_epochs,
             "cpu_seconds_train": train_cpu, "budget_cpu_s": budget,
