@@ -22,7 +22,10 @@ the other rows see the same points of every shape in every epoch. The long rows
 (:data:`LONG_ROWS`, ``--rows long``) are QSV-geometric (at the table's width and
 twice as wide, the model's default since), DGCNN, PointNet++ and VN-DGCNN augmented again at
 ``--long-budget-cpu-s`` (default 3,600): what the recommended recipe reaches
-with more time, against the SO3-augmented controls at the same budget. The longer
+with more time, against the SO3-augmented controls at the same budget; and two
+levers on the wide row at that budget, each changing one thing: the pair features
+also in the messages (``edge_message="target"``) and a class-balanced loss
+(:data:`CLASS_WEIGHTED`). The longer
 row (:data:`LONGER_ROWS`, ``--rows longer``) is the wide row at twice that budget
 (``--longer-budget-cpu-s``, default 7,200), without controls at that budget.
 
@@ -39,7 +42,8 @@ whatever its speed; training stops at the first step after the budget is
 spent, mid-epoch if need be (that epoch is logged ``partial``). Each epoch's
 log line gives ``planned_epochs``, the epochs the budget holds estimated from
 the epoch times so far (after the first epoch: from its time). Then it is evaluated once on the
-validation split and on the test sets (their time is reported, not budgeted).
+validation split and on the test sets (their time is reported, not budgeted), with
+the confusion matrices and the per-class and balanced (mean per-class) accuracies.
 A unit saves its state after every finished epoch (``checkpoint.pt`` in its
 folder, removed when it finishes): run the same command again after an
 interruption and it continues from there on the same CPU clock, with the same
