@@ -21,6 +21,7 @@ Examples::
     python benchmarks/bench_geometric.py --threads 2 --batch-size 32 --out results/geo.json
     python benchmarks/bench_geometric.py --encode --out results/geo_encode.json
     python benchmarks/bench_geometric.py --encode --hidden-channels 128
+    python benchmarks/bench_geometric.py --encode --edge-messages   # + edge_message modes
 """
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     parser.add_argument("--hidden-channels", type=int, default=None,
                         help="QSVGeometric's hidden_channels for both models (default: "
                              "the model's default)")
+    parser.add_argument("--edge-messages", action="store_true",
+                        help="also time QSVGeometric with edge_message='target' and "
+                             "'source' (the pair features in the messages)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -94,6 +98,10 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     pos, y = md.base_sets(str(path), cfg)["train"]
     kw = {} if args.hidden_channels is None else {"hidden_channels": args.hidden_channels}
     models = {"QSVGeometric": QSVGeometric(10, **kw), "GATConv in place": gat_twin(10, **kw)}
+    if args.edge_messages:
+        for mode in ("target", "source"):
+            models[f"QSVGeometric edge_message={mode}"] = QSVGeometric(
+                10, edge_message=mode, **kw)
     shapes = ({"pos": pos.float(), "y": y} if args.encode
               else md.encode(models["QSVGeometric"], pos, y))
     batches = [torch.arange(i * args.batch_size, min((i + 1) * args.batch_size, y.numel()))
@@ -125,9 +133,9 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
                "k": models["QSVGeometric"].k,
                "hidden_channels": models["QSVGeometric"].hidden_channels,
                "command": " ".join(sys.argv), "rows": rows}
-    print(f"{'model':<18} {'params':>8} {'ms/step':>9} {'÷ GAT':>6} {'s/epoch est':>12}")
+    print(f"{'model':<36} {'params':>8} {'ms/step':>9} {'÷ GAT':>6} {'s/epoch est':>12}")
     for r in rows:
-        print(f"{r['model']:<18} {r['params']:>8,} {r['ms_per_step']:>9.1f} "
+        print(f"{r['model']:<36} {r['params']:>8,} {r['ms_per_step']:>9.1f} "
               f"{r['ratio_to_gat']:>6.2f} {r['cpu_s_per_epoch_est']:>12.1f}")
     if args.out:
         write_json(args.out, payload)

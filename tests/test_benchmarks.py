@@ -139,6 +139,16 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert enc["encode"] and not payload["encode"]
     # the graph and frames built inside, in every step (none passed in)
     assert calls and all(all(a is None for a in given) for given in calls)
+    # --edge-messages: the two edge_message modes are timed beside the others
+    em = bench_geometric.main(["--data-dir", str(tmp_path), "--dataset", "Toy",
+                               "--points", "24", "--batch-size", "4", "--batches", "1",
+                               "--repeats", "1", "--encode", "--edge-messages"])
+    em_rows = {r["model"]: r for r in em["rows"]}
+    assert set(em_rows) == {"QSVGeometric", "GATConv in place",
+                            "QSVGeometric edge_message=target",
+                            "QSVGeometric edge_message=source"}
+    assert em_rows["QSVGeometric edge_message=target"]["params"] > \
+        em_rows["QSVGeometric"]["params"]
 
 
 def test_a_benchmark_run_from_another_checkout_imports_that_checkout(tmp_path):
