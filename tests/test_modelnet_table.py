@@ -112,17 +112,22 @@ def test_class_weighted_row_records_its_weighting_and_trains(tmp_path):
     the wide row; the unit records it and trains with it (an unknown weighting is
     refused)."""
     torch.set_num_threads(1)
-    name = "QSV-geometric wide balanced augmented long"
-    assert M.ROWS[name] == M.ROWS["QSV-geometric wide augmented long"]
+    name = "QSV-geometric wide balanced augmented"
+    assert M.ROWS[name] == M.ROWS["QSV-geometric wide augmented"]
+    assert M.ROWS[name][1] == M.ROWS["QSV-geometric wide augmented long"][1]
     assert M.CLASS_WEIGHTED == {name: "balanced"} and name in M.AUGMENTED
-    assert name in M.LONG_ROWS
+    assert name not in M.LONG_ROWS and name in M.select_rows("augmented")
     _write_npz(tmp_path / "data", shapes=24)
     out = tmp_path / "out"
-    M.main(_args(tmp_path / "data", out, "--rows", M.slug(name), "--seeds", "1",
-                 "--long-budget-cpu-s", "1"))
+    rows = f"{M.slug(name)},qsv-geometric-wide-augmented"
+    M.main(_args(tmp_path / "data", out, "--rows", rows, "--seeds", "1", "--budget-cpu-s", "1"))
     unit = out / "Toy" / M.slug(name) / "so3" / "seed0"
     cfg = json.loads((unit / "config.json").read_text())
     assert cfg["class_weights"] == "balanced" and cfg["augment"] == "resample+scale"
+    plain = json.loads((out / "Toy" / "qsv-geometric-wide-augmented" / "so3" / "seed0" /
+                        "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "row"} == \
+        {k: v for k, v in plain.items() if k != "row"} | {"class_weights": "balanced"}
     metrics = json.loads((unit / "metrics.json").read_text())
     assert set(metrics["test_balanced"]) == {"so3"}
     table = (out / "table.md").read_text()
@@ -279,7 +284,6 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
                                 "PointNet++ augmented long",
                                 "QSV-geometric wide augmented long",
                                 "QSV-geometric wide target messages augmented long",
-                                "QSV-geometric wide balanced augmented long",
                                 "VN-DGCNN augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
