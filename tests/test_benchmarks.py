@@ -171,3 +171,35 @@ def test_a_benchmark_run_from_another_checkout_imports_that_checkout(tmp_path):
                          env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()).resolve() == (other / "qsv_pyg" / "__init__.py").resolve()
+
+
+def test_modelnet_split_check_finds_copies_and_reweights_to_the_test_mix(tmp_path):
+    """The split check's 1-NN: test shapes that are rotated copies of training shapes
+    sit at distance ~0 from them (the descriptor is rotation-invariant) and are
+    classified right; the re-weighted validation accuracy is the per-class
+    accuracies weighted by the test split's class shares."""
+    import numpy as np
+    from qsv_pyg.quaternion import quaternion_to_matrix, random_unit_quaternion
+    split_check = load_benchmark("modelnet_split_check")
+    g = np.random.default_rng(0)
+    y = np.arange(40) % 2
+    pos = g.normal(size=(40, 30, 3))
+    pos[y == 0] *= [2.0, 0.4, 0.4]
+    pos[y == 1] *= [1.0, 1.0, 0.1]
+    rot = quaternion_to_matrix(random_unit_quaternion(6, generator=torch.Generator()
+                                                      .manual_seed(1), dtype=torch.float64))
+    test = np.einsum("sij,snj->sni", rot.numpy(), pos[:6])
+    (tmp_path / "Toy").mkdir()
+    np.savez(tmp_path / "Toy" / "toy.npz", pos_train=pos, y_train=y, pos_test=test,
+             y_test=y[:6], classes=np.array(["long", "flat"]))
+    out = split_check.main(["--data-dir", str(tmp_path), "--dataset", "Toy", "--points",
+                            "30", "--out", str(tmp_path / "s.json")])
+    test_r, val = out["test"], out["val"]
+    assert test_r["shapes"] == 6 and val["shapes"] == 4
+    # copies of training shapes (unless held out for validation) are found at ~0
+    assert test_r["nearest_distance_quantiles"]["0.01"] < 1e-9
+    assert test_r["accuracy"] >= 4 / 6
+    shares = test_r["class_share"]
+    assert val["accuracy_at_mix"] == pytest.approx(
+        sum(s * a for s, a in zip(shares, val["per_class"])))
+    assert json.loads((tmp_path / "s.json").read_text())["val"] == out["val"]
