@@ -86,9 +86,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     path = md.find_npz(Path(args.data_dir), args.dataset, None)
-    classes = md.load_arrays(path, args.points)["classes"]
     sets = md.base_sets(str(path), {"points": args.points, "max_train": None,
                                     "max_test": None})
+    classes = sets["classes"]
     (tr, ytr), (va, yva), (te, yte) = sets["train"], sets["val"], sets["test"]
     C = len(classes)
     ref = descriptor(tr)

@@ -89,6 +89,7 @@ def test_unit_trains_to_its_budget_and_annealed(tiny):
         assert metrics["test_per_class"][protocol] == pytest.approx(per)
         assert metrics["test_balanced"][protocol] == pytest.approx(sum(per) / 2)
     assert 0.0 <= metrics["val_balanced"] <= 1.0
+    assert metrics["classes"] == ["long", "flat"]
 
 
 def test_confusion_class_accuracy_and_balanced_weights():
@@ -150,6 +151,13 @@ def test_rerun_reuses_finished_units_and_report_files(tiny, capsys):
     text = (out / "table.md").read_text()
     assert "QSV-geometric" in text and "CPU-s/epoch" in text and "epochs" in text
     assert "NOT ModelNet10" in (out / "published_modelnet40.md").read_text()
+    # per-class results: one line per row and protocol column, the classes by name
+    lines = (out / "per_class.md").read_text().splitlines()
+    assert "| model | train/test | seeds | long | flat |" in lines
+    unit = json.loads(metrics.read_text())
+    per = unit["test_per_class"]["z"]
+    assert f"| QSV-geometric | aligned/z | 1 | {100 * per[0]:.1f} " \
+        f"({100 * unit['val_per_class'][0]:.1f}) | " in "\n".join(lines)
 
 
 def test_damaged_metrics_are_named_and_skipped(tiny, tmp_path, capsys):

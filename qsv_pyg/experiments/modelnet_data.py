@@ -214,9 +214,9 @@ _ARRAYS: Dict[tuple, Dict[str, Tensor]] = {}
 
 def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]]:
     """``{"train", "val", "test"}`` -> (centred, subsampled shapes float64, labels),
-    and ``"train_all"``: the training shapes with all their points (what
-    :func:`augment_shapes` draws from), cached per process (the common
-    preprocessing, outside the budget)."""
+    ``"train_all"``: the training shapes with all their points (what
+    :func:`augment_shapes` draws from), and ``"classes"``: the class names; cached
+    per process (the common preprocessing, outside the budget)."""
     key = (path, cfg["points"], cfg["max_train"], cfg["max_test"])
     if key not in _ARRAYS:
         _ARRAYS.clear()
@@ -236,6 +236,7 @@ def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]
         pos, y = out["train"]
         out["train"], out["val"] = (pos[tr], y[tr]), (pos[va], y[va])
         out["train_all"] = (out["train_all"][0][tr], y[tr])
+        out["classes"] = list(arrays["classes"])
         _ARRAYS[key] = out
     return _ARRAYS[key]
 

@@ -1,5 +1,6 @@
 r"""The ModelNet10 rotation table's report: ``table.{md,csv}``, ``results.json``,
-``accuracy.png``, ``budget.png`` and ``published_modelnet40.md`` from the finished run folders
+``accuracy.png``, ``budget.png``, ``per_class.md`` and ``published_modelnet40.md`` from the
+finished run folders
 (:mod:`qsv_pyg.experiments.units` reads them; damaged run files are named and left
 out). :mod:`qsv_pyg.experiments.modelnet_table` runs the table and calls
 :func:`report`.
@@ -18,7 +19,7 @@ from ..training.run_files import atomic_write, write_csv, write_json, write_text
 from .modelnet_data import COLUMNS, LABEL, TESTS
 from .units import NUMBER, fail, read_units
 
-__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "budget_curves", "collect", "report"]
+__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "budget_curves", "collect", "per_class", "report"]
 
 #: Published context, ModelNet40 (40 classes), NOT ModelNet10:
 #: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
@@ -141,6 +142,47 @@ def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return sorted(curves, key=lambda g: (g["label"].split()[0], g["params"], g["label"]))
 
 
+def per_class(units: Sequence[Dict[str, Any]], order: Sequence[str] = ()) -> str:
+    """``per_class.md``: per row and protocol column, the test (and validation)
+    accuracy of every class, mean over the seeds, for the units that recorded
+    per-class results (those trained since stop 46); "" when none did."""
+    groups: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for unit in units:
+        cfg, metrics = unit["config"], unit["metrics"]
+        classes = metrics.get("classes")
+        tests = metrics.get("test_per_class")
+        if not isinstance(classes, list) or not isinstance(tests, dict):
+            continue
+        for protocol, per in tests.items():
+            column = f"{LABEL[cfg['train']]}/{LABEL[protocol]}"
+            group = groups.setdefault((cfg["row"], column), {
+                "classes": classes, "test": [], "val": [], "seeds": []})
+            group["test"].append(per)
+            group["val"].append(metrics.get("val_per_class"))
+            group["seeds"].append(cfg["seed"])
+    if not groups:
+        return ""
+    rank = {name: i for i, name in enumerate(order)}
+    lines = ["### Per-class accuracy (%): test (validation in brackets), mean over seeds; "
+             "units with per-class results only", ""]
+    classes: Optional[List[str]] = None
+    for (row, column), g in sorted(groups.items(),
+                                   key=lambda kv: (rank.get(kv[0][0], len(rank)), kv[0])):
+        if g["classes"] != classes:
+            classes = g["classes"]
+            head = ["model", "train/test", "seeds", *classes]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+        def mean(lists: List[Any], c: int) -> float:
+            vals = [v[c] for v in lists if isinstance(v, list) and v[c] == v[c]]
+            return 100 * statistics.fmean(vals) if vals else float("nan")
+
+        cells = [f"{mean(g['test'], c):.1f} ({mean(g['val'], c):.1f})"
+                 for c in range(len(classes))]
+        lines.append("| " + " | ".join([row, column, str(len(g["seeds"])), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_budget(path: Path, curves: Sequence[Dict[str, Any]], title: str) -> None:
     """``budget.png``: SO3/SO3 test accuracy (solid, mean ± std over seeds) and
     validation accuracy (dashed) against the CPU budget per unit, one colour per
@@ -249,6 +291,9 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
         write_json(out_root / "results.json", {"title": title, "columns": columns,
                                                "rows": table, "units": units,
                                                "budget_curves": curves})
+        classes_text = per_class(units, order)
+        if classes_text:
+            write_text(out_root / "per_class.md", classes_text)
         pub_cols = ["model", "z/z", "z/SO3", "SO3/SO3", "I/SO3"]
         pub = [f"### Published context: {PUBLISHED_NOTE}", "",
                "| " + " | ".join(pub_cols) + " |", "|" + "---|" * len(pub_cols)]

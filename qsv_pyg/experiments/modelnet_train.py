@@ -233,7 +233,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
         (test[protocol], test_confusion[protocol], test_per_class[protocol],
          test_balanced[protocol]) = evaluate(test_pos, test_y, rot)
     return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "test": test,
-            "val": val, "val_balanced": val_balanced, "val_per_class": val_per_class,
+            "val": val, "classes": sets["classes"], "val_balanced": val_balanced, "val_per_class": val_per_class,
             "val_confusion": val_confusion, "test_balanced": test_balanced,
             "test_per_class": test_per_class, "test_confusion": test_confusion,
             "params": count_parameters(model),
