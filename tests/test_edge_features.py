@@ -271,7 +271,8 @@ def test_torch_sparse_adjacency_values_are_the_edge_features():
                                    atol=1e-5)
 
 
-def test_to_hetero_with_edge_features():
+@pytest.mark.parametrize("mode", [True, "target"])
+def test_to_hetero_with_edge_features(mode):
     """PyG's to_hetero (torch.fx tracing) with an edge_attr per relation: every
     relation's features reach its output."""
     from torch_geometric.data import HeteroData
@@ -281,7 +282,7 @@ def test_to_hetero_with_edge_features():
         def __init__(self):
             super().__init__()
             self.conv1 = QSVConv((-1, -1), 4, heads=2, edge_dim=3, source_logit=True)
-            self.conv2 = QSVConv(8, 3, heads=1, edge_dim=3, edge_message=True)
+            self.conv2 = QSVConv(8, 3, heads=1, edge_dim=3, edge_message=mode)
 
         def forward(self, x, edge_index, edge_attr):
             x = self.conv1(x, edge_index, edge_attr).relu()
@@ -393,10 +394,11 @@ def test_source_logit_gradient_on_the_fast_path(monkeypatch):
 
 
 # ------------------------------------------------------------ torch.compile
-def test_compiled_edge_path_calls_the_operator_once_in_one_graph():
+@pytest.mark.parametrize("mode", [True, "target"])
+def test_compiled_edge_path_calls_the_operator_once_in_one_graph(mode):
     import torch._dynamo
     torch._dynamo.reset()
-    conv = make(8, heads=2, dtype=torch.float32, edge_dim=3, edge_message=True,
+    conv = make(8, heads=2, dtype=torch.float32, edge_dim=3, edge_message=mode,
                 source_logit=True, routing="geometric", add_self_loops=True)
     x = torch.randn(7, 8, generator=gen(27))
     pos = torch.randn(7, 3, generator=gen(28))
