@@ -85,8 +85,8 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
                         help="QSVGeometric's hidden_channels for both models (default: "
                              "the model's default)")
     parser.add_argument("--edge-messages", action="store_true",
-                        help="also time QSVGeometric with edge_message='target' and "
-                             "'source' (the pair features in the messages)")
+                        help="also time QSVGeometric with the edge_message modes other "
+                             "than its default (False, 'target', 'source')")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -98,10 +98,11 @@ def main(argv: Optional[list] = None) -> Dict[str, Any]:
     pos, y = md.base_sets(str(path), cfg)["train"]
     kw = {} if args.hidden_channels is None else {"hidden_channels": args.hidden_channels}
     models = {"QSVGeometric": QSVGeometric(10, **kw), "GATConv in place": gat_twin(10, **kw)}
-    if args.edge_messages:
-        for mode in ("target", "source"):
-            models[f"QSVGeometric edge_message={mode}"] = QSVGeometric(
-                10, edge_message=mode, **kw)
+    if args.edge_messages:  # the other modes beside the default's
+        for mode in (False, "target", "source"):
+            if mode != models["QSVGeometric"].edge_message:
+                models[f"QSVGeometric edge_message={mode}"] = QSVGeometric(
+                    10, edge_message=mode, **kw)
     shapes = ({"pos": pos.float(), "y": y} if args.encode
               else md.encode(models["QSVGeometric"], pos, y))
     batches = [torch.arange(i * args.batch_size, min((i + 1) * args.batch_size, y.numel()))

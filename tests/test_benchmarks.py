@@ -124,8 +124,10 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert wide["hidden_channels"] == 32  # the default: the model's
     assert payload["hidden_channels"] == bench_geometric.QSVGeometric(10).hidden_channels
     assert wide_rows["QSVGeometric"]["params"] < rows["QSVGeometric"]["params"]
+    # matched within 3% (the default's edge-message embedding, 8 x C per layer, has no
+    # counterpart in GATConv, whose edge_dim only enters the attention)
     assert abs(wide_rows["GATConv in place"]["params"] / wide_rows["QSVGeometric"][
-        "params"] - 1) < 0.01
+        "params"] - 1) < 0.03
     # --encode: every step starts from the positions (SO3 training), for both models
     calls = []
     real = bench_geometric.QSVGeometric.geometry
@@ -139,16 +141,17 @@ def test_bench_geometric_times_qsv_geometric_against_its_gat_twin(tmp_path):
     assert enc["encode"] and not payload["encode"]
     # the graph and frames built inside, in every step (none passed in)
     assert calls and all(all(a is None for a in given) for given in calls)
-    # --edge-messages: the two edge_message modes are timed beside the others
+    # --edge-messages: the edge_message modes other than the default ("target") are
+    # timed beside the others
     em = bench_geometric.main(["--data-dir", str(tmp_path), "--dataset", "Toy",
                                "--points", "24", "--batch-size", "4", "--batches", "1",
                                "--repeats", "1", "--encode", "--edge-messages"])
     em_rows = {r["model"]: r for r in em["rows"]}
     assert set(em_rows) == {"QSVGeometric", "GATConv in place",
-                            "QSVGeometric edge_message=target",
+                            "QSVGeometric edge_message=False",
                             "QSVGeometric edge_message=source"}
-    assert em_rows["QSVGeometric edge_message=target"]["params"] > \
-        em_rows["QSVGeometric"]["params"]
+    assert em_rows["QSVGeometric edge_message=False"]["params"] < \
+        em_rows["QSVGeometric"]["params"] == em_rows["QSVGeometric edge_message=source"]["params"]
 
 
 def test_a_benchmark_run_from_another_checkout_imports_that_checkout(tmp_path):

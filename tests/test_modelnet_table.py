@@ -217,10 +217,34 @@ def test_every_row_builds_and_controls_match_qsv_parameters():
     assert target == sum(p.numel() for p in M.build_model("QSV-geometric", 10).parameters())
     assert M.build_model("QSV-geometric wide augmented long", 10).hidden_channels == \
         QSVGeometric(10).hidden_channels == 2 * T.TABLE_WIDTH
+    # rows that do not name edge_message keep it off (the model's default became
+    # "target" after the edge-message lever), the lever's row sets it
+    assert M.build_model("QSV-geometric wide augmented long", 10).edge_message is False
+    assert M.build_model("QSV-geometric wide target messages augmented long",
+                         10).edge_message == "target" == QSVGeometric(10).edge_message
     ablations = [n for n in M.ROW_NAMES if M.ROWS[n][4]]
     # the defaults at the ablation budget, then one ablation per switch
     assert ablations[0] == M.ABLATION_REFERENCE and M.ROWS[ablations[0]][1] == {}
     assert len(ablations) == 6 and all(M.ROWS[n][1] for n in ablations[1:])
+
+
+def test_committed_run_files_rebuild_their_models():
+    """Every committed unit's config.json rebuilds a model with the parameter count
+    its metrics.json recorded: a changed default cannot silently change what a
+    committed row means."""
+    root = Path(__file__).resolve().parents[1] / "docs" / "results" / "modelnet_table"
+    units = sorted(root.glob("*/*/*/seed*/metrics.json"))
+    if not units:
+        pytest.skip("no committed run files")
+    checked = {}
+    for metrics in units:
+        cfg = json.loads((metrics.parent / "config.json").read_text())
+        key = (cfg["family"], json.dumps(cfg["model_kwargs"], sort_keys=True),
+               cfg["num_classes"])
+        if key not in checked:
+            model = T.model_of(cfg["family"], cfg["model_kwargs"], cfg["num_classes"])
+            checked[key] = sum(p.numel() for p in model.parameters())
+        assert checked[key] == json.loads(metrics.read_text())["params"], metrics
 
 
 def test_precomputed_geometry_gives_the_models_own_logits():

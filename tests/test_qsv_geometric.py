@@ -91,8 +91,9 @@ def max_change(m: QSVGeometric, clouds, seed: int = 1) -> float:
     {"transport": "identity", "routing": "uniform", "pair_features": False},
     {"routing": "geometric", "edge_message": True, "source_logit": True},
     {"edge_message": "target", "hierarchy": ((1.0, 6), (0.5, 8))},
+    {"edge_message": False},
 ], ids=["default", "hierarchy", "identity-uniform-nopairs", "geometric-edge-message",
-        "edge-message-target-hierarchy"])
+        "edge-message-target-hierarchy", "no-edge-message"])
 def test_float64_logits_are_invariant_to_rotations_and_translations(kw):
     clouds = [blob(96, s) for s in range(3)] + [blob(64, 9)]
     m = model(**kw)
@@ -234,6 +235,12 @@ def test_bad_arguments_and_inputs_are_named():
         QSVGeometric(3, frame_rule="svd")
     with pytest.raises(ValueError, match="edge_message=True needs pair_features"):
         QSVGeometric(3, pair_features=False, edge_message=True)
+    # edge_message=None (the default): "target" with the pair features, off without
+    assert QSVGeometric(3).edge_message == "target"
+    assert QSVGeometric(3).convs[0].edge_message == "target"
+    assert QSVGeometric(3, pair_features=False).edge_message is False
+    assert QSVGeometric(3, edge_message=False).convs[0].edge_message is False
+    assert "edge_message='target'" in repr(QSVGeometric(3))
     m = model()
     with pytest.raises(ValueError, match=r"\[num_points, 3\]"):
         m(torch.zeros(10, 2, dtype=F64))

@@ -24,7 +24,9 @@ twice as wide, the model's default since), DGCNN, PointNet++ and VN-DGCNN augmen
 ``--long-budget-cpu-s`` (default 3,600): what the recommended recipe reaches
 with more time, against the SO3-augmented controls at the same budget, and a lever
 on the wide row at that budget: the pair features also in the messages
-(``edge_message="target"``). The class-weighting lever (:data:`CLASS_WEIGHTED`: a
+(``edge_message="target"``, the model's default since; the rows that do not name it
+keep it off, :data:`~qsv_pyg.experiments.modelnet_train.TABLE_DEFAULTS`). The
+class-weighting lever (:data:`CLASS_WEIGHTED`: a
 class-balanced loss) is the wide model augmented at ``--budget-cpu-s``, with and
 without it. The longer
 row (:data:`LONGER_ROWS`, ``--rows longer``) is the wide row at twice that budget

@@ -20,7 +20,7 @@ from .modelnet_data import (AUGMENTATIONS, CLASS_WEIGHTS, ROTATION_SEED, TESTS,
                             confusion, encode, forward, predictions, rotate, rotations)
 from .units import UnitCheckpoint
 
-__all__ = ["FAMILIES", "TABLE_WIDTH", "model_of", "target_params", "train_unit", "warm_up",
+__all__ = ["FAMILIES", "TABLE_WIDTH", "TABLE_DEFAULTS", "model_of", "target_params", "train_unit", "warm_up",
            "cosine"]
 
 #: Model families: QSVGeometric, the Vector Neurons control, DGCNN, PointNet++.
@@ -34,26 +34,31 @@ CONTROL_BASE_WIDTH = 64
 #: run. The default became 128 after the width lever's rows; a row's ``model_kwargs``
 #: (its ``config.json``) keep meaning what they meant when they were trained.
 TABLE_WIDTH = 64
+#: QSVGeometric's keywords in the table's rows unless a row sets them: the model's
+#: defaults when the table was run. ``edge_message`` became ``"target"`` by default
+#: after the edge-message lever's rows; the rows that do not name it keep it off, and
+#: the controls stay matched to the model without it.
+TABLE_DEFAULTS: Dict[str, Any] = {"hidden_channels": TABLE_WIDTH, "edge_message": False}
 
 
 def target_params(num_classes: int) -> int:
-    """The parameters of ``QSVGeometric(num_classes, hidden_channels=TABLE_WIDTH)``,
-    which the controls match."""
+    """The parameters of ``QSVGeometric(num_classes, **TABLE_DEFAULTS)``, which the
+    controls match."""
     from qsv_pyg.models.matching import count_parameters
     from qsv_pyg.nn.models import QSVGeometric
-    return count_parameters(QSVGeometric(num_classes, hidden_channels=TABLE_WIDTH))
+    return count_parameters(QSVGeometric(num_classes, **TABLE_DEFAULTS))
 
 
 def model_of(family: str, kw: Dict[str, Any], num_classes: int) -> torch.nn.Module:
-    """A model of a family (:data:`FAMILIES`): ``QSVGeometric(num_classes, **kw)`` at
-    :data:`TABLE_WIDTH` unless ``kw`` sets ``hidden_channels``, or a control
+    """A model of a family (:data:`FAMILIES`): ``QSVGeometric(num_classes, **kw)`` with
+    :data:`TABLE_DEFAULTS` where ``kw`` does not set them, or a control
     parameter-matched to it (:func:`target_params`)."""
     from qsv_pyg.models import point_controls as pc
     from qsv_pyg.nn.models import QSVGeometric
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
     if family == "qsv":
-        return QSVGeometric(num_classes, **{"hidden_channels": TABLE_WIDTH, **kw})
+        return QSVGeometric(num_classes, **{**TABLE_DEFAULTS, **kw})
     target = target_params(num_classes)
     if family == "vn":
         return pc.matched_vn_dgcnn(num_classes, target, k=CONTROL_K)

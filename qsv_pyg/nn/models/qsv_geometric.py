@@ -62,7 +62,8 @@ class QSVGeometric(torch.nn.Module):
     frame), and :math:`R_i^\top R_j` is too, every layer's output is invariant;
     the point-pair features of each edge
     (:func:`~qsv_pyg.transforms.functional.point_pair_features`) enter the
-    attention logits through QSVConv's ``edge_dim``. Max- and mean-pooling per
+    attention logits through QSVConv's ``edge_dim`` and, embedded, the messages
+    in the target's frame (``edge_message="target"``). Max- and mean-pooling per
     cloud of every layer's output feed an MLP head.
 
     Nodes whose frame is ambiguous (no equivariant frame exists: symmetric
@@ -106,10 +107,14 @@ class QSVGeometric(torch.nn.Module):
         pair_features (bool, optional): Feed the point-pair features as edge
             features (QSVConv's ``edge_dim``). (default: :obj:`True`)
         edge_message (bool or str, optional): Also add the edge features into
-            the messages (QSVConv's ``edge_message``): :obj:`True` or
-            ``"source"`` (embedded in the source's frame and transported with
-            it; about 7x the time per step) or ``"target"`` (added in the
-            target's frame after the transport; cheap). (default: :obj:`False`)
+            the messages (QSVConv's ``edge_message``): ``"target"`` (embedded and
+            added in the target's frame after the transport; about 1.13x the
+            time per step), :obj:`True` or ``"source"`` (embedded in the
+            source's frame and transported with it; about 11x), or
+            :obj:`False`. :obj:`None`: ``"target"`` with ``pair_features``, off
+            without, the choice of validation on ModelNet10
+            (docs/real_benchmarks.md, "The edge-message lever").
+            (default: :obj:`None`)
         source_logit (bool, optional): Add GAT's per-source score
             :math:`\mathbf{a}_h^\top \mathbf{x}_j` to the logits (QSVConv's
             ``source_logit``). (default: :obj:`False`)
@@ -142,7 +147,7 @@ class QSVGeometric(torch.nn.Module):
         k: int = 20,
         hierarchy: Union[bool, Sequence[Tuple[float, int]], None] = None,
         pair_features: bool = True,
-        edge_message: Union[bool, str] = False,
+        edge_message: Union[bool, str, None] = None,
         source_logit: bool = False,
         transport: str = "sandwich",
         routing: str = "abs",
@@ -193,6 +198,8 @@ class QSVGeometric(torch.nn.Module):
         if frame_rule not in FRAME_RULES:
             raise ValueError(f"QSVGeometric: frame_rule={frame_rule!r} is not one of "
                              f"{FRAME_RULES}")
+        if edge_message is None:
+            edge_message = "target" if pair_features else False
         if edge_message and not pair_features:
             raise ValueError(f"QSVGeometric: edge_message={edge_message!r} needs "
                              f"pair_features=True")
@@ -381,7 +388,7 @@ class QSVGeometric(torch.nn.Module):
         return (f"{self.__class__.__name__}({self.out_channels}, hidden_channels="
                 f"{self.hidden_channels}, heads={self.heads}, num_layers={self.num_layers}, "
                 f"k={self.k}{extra}, pair_features={self.pair_features}, "
-                + (f"edge_message={self.edge_message!r}, " if self.edge_message else "")
+                + (f"edge_message={self.edge_message!r}, " if self.pair_features else "")
                 + ("source_logit=True, " if self.source_logit else "")
                 + f"transport={self.transport!r}, routing={self.routing!r}, "
                 f"frame_rule={self.frame_rule!r})")
