@@ -20,8 +20,8 @@ from .modelnet_data import (AUGMENTATIONS, CLASS_WEIGHTS, ROTATION_SEED, TESTS,
                             confusion, encode, forward, predictions, rotate, rotations)
 from .units import UnitCheckpoint
 
-__all__ = ["FAMILIES", "TABLE_WIDTH", "TABLE_DEFAULTS", "model_of", "target_params", "train_unit", "warm_up",
-           "cosine"]
+__all__ = ["FAMILIES", "TABLE_WIDTH", "TABLE_DEFAULTS", "model_of", "target_params",
+           "train_unit", "warm_up", "cosine"]
 
 #: Model families: QSVGeometric, the Vector Neurons control, DGCNN, PointNet++.
 FAMILIES = ("qsv", "vn", "dgcnn", "pointnet2")
