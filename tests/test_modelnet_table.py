@@ -279,6 +279,16 @@ def test_augment_shapes_rescales_resamples_and_stays_on_the_unit_sphere():
     ratio = spread_a / full.std(1)
     r = ratio / ratio.amin(1, keepdim=True)
     assert r.le(hi / lo + 1e-9).all() and r.gt(1.01).any()
+    # "resample": the same points' subsets, proportions kept (no scaling)
+    kept = D.augment_shapes(full, 24, torch.Generator().manual_seed(4), "resample")
+    assert kept.shape == (5, 24, 3)
+    dist = torch.cdist(kept, full)  # every drawn point is one of the shape's own
+    assert dist.amin(2).le(1e-6).all()
+    assert torch.equal(D.augment_shapes(full, 64, torch.Generator().manual_seed(5),
+                                        "resample").sort(1).values.sum(1),
+                       full.sort(1).values.sum(1))
+    with pytest.raises(ValueError, match="unknown augmentation"):
+        D.augment_shapes(full, 24, g, "mixup")
 
 
 def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
@@ -300,6 +310,8 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
     assert set(rows) == set(M.AUGMENTED) - set(M.LONG_ROWS) - set(M.LONGER_ROWS)
     assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")} | \
         set(M.LONG_ROWS) | set(M.LONGER_ROWS)
+    assert {n for n, a in M.AUGMENTED.items() if a == "resample"} == \
+        {"QSV-geometric wide target messages resampled long"}
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
         T.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),
@@ -316,6 +328,7 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
                                 "PointNet++ augmented long",
                                 "QSV-geometric wide augmented long",
                                 "QSV-geometric wide target messages augmented long",
+                                "QSV-geometric wide target messages resampled long",
                                 "VN-DGCNN augmented long"}
     rows = M.main(_args(tmp_path / "data", out, "--rows", "qsv-geometric-augmented-long",
                         "--seeds", "1", "--budget-cpu-s", "100", "--long-budget-cpu-s", "1"))
@@ -338,6 +351,10 @@ def test_long_row_trains_to_the_long_budget_with_the_augmentation(tmp_path):
     lever = M.ROWS[name]
     assert lever[1] == {**wide[1], "edge_message": "target"}
     assert lever[2:4] == wide[2:4] and name in M.AUGMENTED
+    # the proportions lever: only the augmentation differs from the edge-message row
+    kept = "QSV-geometric wide target messages resampled long"
+    assert M.ROWS[kept] == lever and M.AUGMENTED[kept] == "resample"
+    assert M.AUGMENTED[name] == "resample+scale"
     with pytest.raises(SystemExit):
         M.main(_args(tmp_path / "data", out, "--rows", "long", "--long-budget-cpu-s", "0"))
 

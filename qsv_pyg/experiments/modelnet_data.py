@@ -57,7 +57,10 @@ MAX_POINTS = 1024
 #: anisotropic scaling), centred and scaled to the unit sphere again, and
 #: ``--points`` of its points are drawn afresh (PyG's examples resample through
 #: ``SamplePoints`` on every access); then rotated as the protocol says.
-AUGMENTATIONS = ("resample+scale",)
+#: ``"resample"``: the same without the scaling (PyG's examples' recipe): the
+#: shapes keep their proportions, which separate classes such as dresser and
+#: night_stand or desk and table.
+AUGMENTATIONS = ("resample+scale", "resample")
 SCALE_RANGE = AXIS_SCALES  # qsv_pyg.transforms.RandomAxisScale's default
 #: The loss weightings a row may use (``config.json``'s ``"class_weights"``; rows
 #: without one weight every shape alike): ``"balanced"`` (:func:`class_weights`).
@@ -175,12 +178,17 @@ def normalise(pos: np.ndarray, points: int, seed: int) -> Tensor:
     return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
 
 
-def augment_shapes(full: Tensor, points: int, g: torch.Generator) -> Tensor:
-    """``"resample+scale"`` (:data:`AUGMENTATIONS`) of ``full`` ``[S, N, 3]`` (all of
+def augment_shapes(full: Tensor, points: int, g: torch.Generator,
+                   augment: str = "resample+scale") -> Tensor:
+    """``augment`` (one of :data:`AUGMENTATIONS`) of ``full`` ``[S, N, 3]`` (all of
     every shape's points): ``[S, points, 3]``, a fresh draw from ``g``."""
-    lo, hi = SCALE_RANGE
-    scale = lo + (hi - lo) * torch.rand(full.size(0), 1, 3, generator=g, dtype=full.dtype)
-    p = unit_sphere(full * scale)
+    if augment not in AUGMENTATIONS:
+        raise ValueError(f"unknown augmentation {augment!r}; choose from {AUGMENTATIONS}")
+    p = full
+    if augment == "resample+scale":
+        lo, hi = SCALE_RANGE
+        scale = lo + (hi - lo) * torch.rand(full.size(0), 1, 3, generator=g, dtype=full.dtype)
+        p = unit_sphere(full * scale)
     keep = torch.rand(full.size(0), full.size(1), generator=g).argsort(1)[:, :points]
     return torch.gather(p, 1, keep[..., None].expand(-1, -1, 3))
 

@@ -121,7 +121,8 @@ def budget_curves(units: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                           f"{metrics['params']:,} params",
                           *(f"{k}={v}" for k, v in sorted(kw.items())
                             if k != "hidden_channels"),
-                          "augmented" if cfg.get("augment") else "not augmented",
+                          {None: "not augmented", "resample+scale": "augmented"}.get(
+                              cfg.get("augment"), f"augment={cfg.get('augment')}"),
                           *([f"class_weights={cfg['class_weights']}"]
                             if cfg.get("class_weights") else [])])
         group = groups.setdefault(key, {"label": label, "params": metrics["params"],

@@ -25,7 +25,9 @@ twice as wide, the model's default since), DGCNN, PointNet++ and VN-DGCNN augmen
 with more time, against the SO3-augmented controls at the same budget, and a lever
 on the wide row at that budget: the pair features also in the messages
 (``edge_message="target"``, the model's default since; the rows that do not name it
-keep it off, :data:`~qsv_pyg.experiments.modelnet_train.TABLE_DEFAULTS`). The
+keep it off, :data:`~qsv_pyg.experiments.modelnet_train.TABLE_DEFAULTS`), and a
+lever on that row: the shapes' proportions kept (``... resampled long``: fresh points
+every epoch, no anisotropic scaling; :data:`AUGMENTED` says ``"resample"``). The
 class-weighting lever (:data:`CLASS_WEIGHTED`: a
 class-balanced loss) is the wide model augmented at ``--budget-cpu-s``, with and
 without it. The longer
@@ -161,6 +163,11 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     "QSV-geometric wide target messages augmented long": (
         "qsv", {"hidden_channels": 2 * TABLE_WIDTH, "edge_message": "target"}, ("so3",), 3,
         False),
+    # the proportions lever: the edge-message row trained with fresh points only,
+    # without the anisotropic scaling (AUGMENTED: "resample", PyG's examples' recipe)
+    "QSV-geometric wide target messages resampled long": (
+        "qsv", {"hidden_channels": 2 * TABLE_WIDTH, "edge_message": "target"}, ("so3",), 3,
+        False),
     # the budget lever: the wide row's recipe at twice the long budget
     "QSV-geometric wide augmented longer": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
                                             ("so3",), 3, False),
@@ -169,9 +176,10 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     "VN-DGCNN augmented long": ("vn", {}, ("so3",), 3, False),
 }
 #: Rows trained with an augmentation of :data:`AUGMENTATIONS`; the others use none.
-AUGMENTED: Dict[str, str] = {name: "resample+scale" for name in ROWS
-                             if name.endswith((" augmented", " augmented long",
-                                               " augmented longer"))}
+AUGMENTED: Dict[str, str] = {
+    **{name: "resample+scale" for name in ROWS
+       if name.endswith((" augmented", " augmented long", " augmented longer"))},
+    **{name: "resample" for name in ROWS if " resampled" in name}}
 #: Rows whose loss weights the classes (``config.json``'s ``"class_weights"``, one of
 #: :data:`~qsv_pyg.experiments.modelnet_data.CLASS_WEIGHTS`); the others weight
 #: every shape alike. Chosen on the validation split's balanced accuracy (the

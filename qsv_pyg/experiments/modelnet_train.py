@@ -157,7 +157,7 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
         t0 = used()
         if fixed is None:  # fresh augmentation / SO3 rotations; the model re-encodes
             pos = train_pos if augment is None else \
-                augment_shapes(sets["train_all"][0], cfg["points"], aug_gen)
+                augment_shapes(sets["train_all"][0], cfg["points"], aug_gen, augment)
             rot = rotations(cfg["train"], count, rot_gen)
             train = {"pos": rotate(pos, rot).float(), "y": train_y}
         else:
