@@ -308,10 +308,12 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
     assert set(metrics["test"]) == {"so3"} and metrics["steps"] >= 1
     # --rows augmented: not the long and longer rows
     assert set(rows) == set(M.AUGMENTED) - set(M.LONG_ROWS) - set(M.LONGER_ROWS)
-    assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith(" augmented")} | \
+    assert set(M.AUGMENTED) == {n for n in M.ROW_NAMES if n.endswith((" augmented",
+                                                                       " resampled"))} | \
         set(M.LONG_ROWS) | set(M.LONGER_ROWS)
     assert {n for n, a in M.AUGMENTED.items() if a == "resample"} == \
-        {"QSV-geometric wide target messages resampled long"}
+        {"QSV-geometric wide target messages resampled long", "QSV-geometric wide resampled"}
+    assert M.ROWS["QSV-geometric wide resampled"] == M.ROWS["QSV-geometric wide augmented"]
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
         T.train_unit({**cfg, "augment": "mixup"}, str(tmp_path / "data" / "Toy" / "toy.npz"),

@@ -27,7 +27,8 @@ on the wide row at that budget: the pair features also in the messages
 (``edge_message="target"``, the model's default since; the rows that do not name it
 keep it off, :data:`~qsv_pyg.experiments.modelnet_train.TABLE_DEFAULTS`), and a
 lever on that row: the shapes' proportions kept (``... resampled long``: fresh points
-every epoch, no anisotropic scaling; :data:`AUGMENTED` says ``"resample"``). The
+every epoch, no anisotropic scaling; :data:`AUGMENTED` says ``"resample"``), also
+checked on the wide row at ``--budget-cpu-s`` (``QSV-geometric wide resampled``). The
 class-weighting lever (:data:`CLASS_WEIGHTED`: a
 class-balanced loss) is the wide model augmented at ``--budget-cpu-s``, with and
 without it. The longer
@@ -152,6 +153,10 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
                                      False),
     "QSV-geometric wide balanced augmented": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
                                               ("so3",), 3, False),
+    # the proportions lever at this budget: the wide row trained with fresh points
+    # only, without the anisotropic scaling (AUGMENTED: "resample")
+    "QSV-geometric wide resampled": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH}, ("so3",), 3,
+                                     False),
     # the recommended recipe (augmented SO3 training) at the long budget, and the
     # SO3-augmented controls at the same budget (equal CPU time again)
     "QSV-geometric augmented long": ("qsv", {}, ("so3",), 3, False),
