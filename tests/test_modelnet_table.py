@@ -312,7 +312,8 @@ def test_augmented_rows_record_their_augmentation_and_train(tmp_path):
                                                                        " resampled"))} | \
         set(M.LONG_ROWS) | set(M.LONGER_ROWS)
     assert {n for n, a in M.AUGMENTED.items() if a == "resample"} == \
-        {"QSV-geometric wide target messages resampled long", "QSV-geometric wide resampled"}
+        {"QSV-geometric wide target messages resampled long", "QSV-geometric wide resampled",
+         "QSV-geometric wide target messages resampled longer"}
     assert M.ROWS["QSV-geometric wide resampled"] == M.ROWS["QSV-geometric wide augmented"]
     assert all(M.ROWS[n][2] == ("so3",) for n in M.AUGMENTED)
     with pytest.raises(ValueError, match="unknown augmentation"):
@@ -367,7 +368,11 @@ def test_longer_row_is_the_wide_row_at_the_longer_budget(tmp_path):
     torch.set_num_threads(1)
     _write_npz(tmp_path / "data", shapes=24)
     out = tmp_path / "out"
-    assert M.LONGER_ROWS == ("QSV-geometric wide augmented longer",)
+    assert M.LONGER_ROWS == ("QSV-geometric wide augmented longer",
+                             "QSV-geometric wide target messages resampled longer")
+    assert M.ROWS["QSV-geometric wide target messages resampled longer"] == \
+        M.ROWS["QSV-geometric wide target messages resampled long"]
+    assert M.AUGMENTED["QSV-geometric wide target messages resampled longer"] == "resample"
     assert M.LONGER_BUDGET_CPU_S == 2 * M.LONG_BUDGET_CPU_S
     assert M.select_rows("longer") == list(M.LONGER_ROWS)
     assert not set(M.LONGER_ROWS) & set(M.LONG_ROWS)
@@ -380,7 +385,7 @@ def test_longer_row_is_the_wide_row_at_the_longer_budget(tmp_path):
     rows = M.main(_args(tmp_path / "data", out, "--rows", "longer", "--seeds", "1",
                         "--budget-cpu-s", "100", "--long-budget-cpu-s", "100",
                         "--longer-budget-cpu-s", "1"))
-    assert set(rows) == {"QSV-geometric wide augmented longer"}
+    assert set(rows) == set(M.LONGER_ROWS)
     unit = out / "Toy" / "qsv-geometric-wide-augmented-longer" / "so3" / "seed0"
     cfg = json.loads((unit / "config.json").read_text())
     assert cfg["budget_cpu_s"] == 1 and cfg["augment"] == "resample+scale"

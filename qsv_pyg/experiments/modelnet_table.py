@@ -32,7 +32,8 @@ checked on the wide row at ``--budget-cpu-s`` (``QSV-geometric wide resampled``)
 class-weighting lever (:data:`CLASS_WEIGHTED`: a
 class-balanced loss) is the wide model augmented at ``--budget-cpu-s``, with and
 without it. The longer
-row (:data:`LONGER_ROWS`, ``--rows longer``) is the wide row at twice that budget
+rows (:data:`LONGER_ROWS`, ``--rows longer``) are the wide row and the recommended
+recipe (edge messages, resampled) at twice that budget
 (``--longer-budget-cpu-s``, default 7,200), without controls at that budget.
 
 **Units and the budget.** A unit is (row, train protocol, seed). It trains
@@ -176,6 +177,11 @@ ROWS: Dict[str, Tuple[str, Dict[str, Any], Tuple[str, ...], int, bool]] = {
     # the budget lever: the wide row's recipe at twice the long budget
     "QSV-geometric wide augmented longer": ("qsv", {"hidden_channels": 2 * TABLE_WIDTH},
                                             ("so3",), 3, False),
+    # the recommended recipe (edge messages, fresh points without the scaling) at
+    # the longer budget
+    "QSV-geometric wide target messages resampled longer": (
+        "qsv", {"hidden_channels": 2 * TABLE_WIDTH, "edge_message": "target"}, ("so3",), 3,
+        False),
     "DGCNN augmented long": ("dgcnn", {}, ("so3",), 1, False),
     "PointNet++ augmented long": ("pointnet2", {}, ("so3",), 1, False),
     "VN-DGCNN augmented long": ("vn", {}, ("so3",), 3, False),
