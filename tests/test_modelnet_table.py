@@ -469,3 +469,65 @@ def test_an_interrupted_unit_resumes_where_its_last_epoch_ended(tmp_path):
         assert b["train_acc"] == a["train_acc"]
     assert rest[0]["used_cpu_seconds"] > ckpt.state["used_cpu_seconds"]
     assert rest[0]["train_loss"] != pytest.approx(cut[0]["train_loss"], rel=1e-3)  # not epoch 1
+
+
+def test_voting_reuses_kept_weights_and_pairs_one_draw_with_the_units_own(tmp_path, capsys):
+    """A finished unit keeps its final weights (model.pt); --vote N evaluates them
+    without training: its one-draw accuracies are the unit's own metrics (the same
+    weights, subsample and rotations), the voted ones a mean over N fresh draws;
+    voting.md and results.json report them; a rerun reuses votes.json; a unit
+    without weights is counted, not fatal."""
+    torch.set_num_threads(1)
+    _write_npz(tmp_path / "data", points=40)
+    out = tmp_path / "out"
+    common = ("--rows", "qsv-geometric", "--protocols", "so3", "--seeds", "2",
+              "--budget-cpu-s", "1")
+    M.main(_args(tmp_path / "data", out, *common))
+    units = [out / "Toy" / "qsv-geometric" / "so3" / f"seed{s}" for s in (0, 1)]
+    for unit in units:
+        assert (unit / "model.pt").is_file() and not (unit / "checkpoint.pt").exists()
+    (units[1] / "model.pt").unlink()  # a unit trained before the weights were kept
+    capsys.readouterr()
+    M.main(_args(tmp_path / "data", out, *common, "--vote", "3"))
+    assert "1 without model.pt" in capsys.readouterr().err
+    assert not (units[1] / "votes.json").exists()
+    votes = json.loads((units[0] / "votes.json").read_text())
+    metrics = json.loads((units[0] / "metrics.json").read_text())
+    assert votes["votes"] == 3 and votes["weights"]["final"] is True
+    assert votes["val"]["single"] == pytest.approx(metrics["val"])
+    assert set(votes["test"]) == {"so3"}
+    assert votes["test"]["so3"]["single"] == pytest.approx(metrics["test"]["so3"])
+    for acc in (votes["val"]["voted"], votes["test"]["so3"]["voted"]):
+        assert 0.0 <= acc <= 1.0
+    text = (out / "voting.md").read_text()
+    assert "| QSV-geometric | SO3 | 3 | 1 | final |" in text
+    gain = 100 * (votes["test"]["so3"]["voted"] - votes["test"]["so3"]["single"])
+    assert f"| {gain:+.1f} |" in text
+    assert json.loads((out / "results.json").read_text())["voting"][0]["votes"] == 3
+    before = (units[0] / "votes.json").stat().st_mtime_ns
+    M.main(_args(tmp_path / "data", out, *common, "--vote", "3"))
+    assert (units[0] / "votes.json").stat().st_mtime_ns == before
+    with pytest.raises(SystemExit) as info:
+        M.main(_args(tmp_path / "data", out, *common, "--vote", "0"))
+    assert info.value.code == 2
+
+
+def test_voted_probabilities_average_fresh_draws_of_every_shape():
+    from qsv_pyg.nn.models import QSVGeometric
+    torch.manual_seed(0)
+    model = QSVGeometric(3, hidden_channels=16, k=4).eval()
+    full = D.unit_sphere(torch.randn(5, 30, 3, dtype=torch.float64))
+    y = torch.tensor([0, 1, 2, 0, 1])
+    one = D.voted_probabilities(model, full, y, None, 12, 1, seed=7)
+    again = D.voted_probabilities(model, full, y, None, 12, 1, seed=7)
+    assert torch.equal(one, again)  # the draws are seeded
+    four = D.voted_probabilities(model, full, y, None, 12, 4, seed=7)
+    assert four.shape == (5, 3) and torch.allclose(four.sum(-1), torch.ones(5))
+    # the first of the four draws is the one-draw result; the mean differs from it
+    g = torch.Generator().manual_seed(7)
+    draws = [D.augment_shapes(full, 12, g, "resample") for _ in range(4)]
+    mean = sum(D.probabilities(model, D.encode(model, d, y)) for d in draws) / 4
+    assert torch.allclose(four, mean) and torch.allclose(one, D.probabilities(
+        model, D.encode(model, draws[0], y)))
+    with pytest.raises(ValueError, match="votes"):
+        D.voted_probabilities(model, full, y, None, 12, 0, seed=7)

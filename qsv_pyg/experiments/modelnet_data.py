@@ -32,7 +32,7 @@ from .units import fail
 __all__ = ["TESTS", "LABEL", "COLUMNS", "MAX_POINTS", "AUGMENTATIONS", "SCALE_RANGE",
            "find_npz", "load_arrays", "stratified_split", "unit_sphere", "normalise",
            "augment_shapes", "rotations", "rotate", "base_sets", "encode", "forward",
-           "predictions", "accuracy", "confusion", "class_accuracy", "class_weights",
+           "predictions", "probabilities", "voted_probabilities", "VOTE_SEED", "accuracy", "confusion", "class_accuracy", "class_weights",
            "CLASS_WEIGHTS"]
 
 REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")
@@ -46,6 +46,8 @@ SUBSAMPLE_SEED = {"train": 11, "test": 12}
 SUBSET_SEED = {"train": 21, "test": 22}
 VAL_SEED = 23
 ROTATION_SEED = {"z": 31, "so3": 32, "val_so3": 33}
+#: Seeds of the test-time voting draws (:func:`voted_probabilities`), per split.
+VOTE_SEED = {"val": 41, "test": 42}
 VAL_FRACTION = 0.1
 MAX_POINTS = 1024
 
@@ -222,9 +224,10 @@ _ARRAYS: Dict[tuple, Dict[str, Tensor]] = {}
 
 def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]]:
     """``{"train", "val", "test"}`` -> (centred, subsampled shapes float64, labels),
-    ``"train_all"``: the training shapes with all their points (what
-    :func:`augment_shapes` draws from), and ``"classes"``: the class names; cached
-    per process (the common preprocessing, outside the budget)."""
+    ``"train_all"``, ``"val_all"``, ``"test_all"``: the same shapes with all their
+    points (what :func:`augment_shapes` and :func:`voted_probabilities` draw
+    from), and ``"classes"``: the class names; cached per process (the common
+    preprocessing, outside the budget)."""
     key = (path, cfg["points"], cfg["max_train"], cfg["max_test"])
     if key not in _ARRAYS:
         _ARRAYS.clear()
@@ -236,14 +239,14 @@ def base_sets(path: str, cfg: Dict[str, Any]) -> Dict[str, Tuple[Tensor, Tensor]
                             SUBSAMPLE_SEED[split])
             y = torch.from_numpy(arrays[f"y_{split}"][keep.numpy()].astype(np.int64))
             out[split] = (pos, y)
-            if split == "train":
-                full = arrays["pos_train"][keep.numpy()]
-                out["train_all"] = (unit_sphere(torch.from_numpy(
-                    np.ascontiguousarray(full)).double()), y)
+            full = arrays[f"pos_{split}"][keep.numpy()]
+            out[f"{split}_all"] = (unit_sphere(torch.from_numpy(
+                np.ascontiguousarray(full)).double()), y)
         tr, va = stratified_split(out["train"][1])
         pos, y = out["train"]
         out["train"], out["val"] = (pos[tr], y[tr]), (pos[va], y[va])
-        out["train_all"] = (out["train_all"][0][tr], y[tr])
+        full = out["train_all"][0]
+        out["train_all"], out["val_all"] = (full[tr], y[tr]), (full[va], y[va])
         out["classes"] = list(arrays["classes"])
         _ARRAYS[key] = out
     return _ARRAYS[key]
@@ -308,6 +311,36 @@ def predictions(model: torch.nn.Module, shapes: Dict[str, Tensor], batch_size: i
     out = [forward(model, shapes, torch.arange(start, min(start + batch_size, count))
                    ).argmax(-1) for start in range(0, count, batch_size)]
     return torch.cat(out) if out else shapes["y"].new_empty(0)
+
+
+@torch.no_grad()
+def probabilities(model: torch.nn.Module, shapes: Dict[str, Tensor], batch_size: int = 64
+                  ) -> Tensor:
+    """``[shapes, classes]`` softmax of every shape's logits (eval mode)."""
+    model.eval()
+    count = shapes["y"].numel()
+    if count == 0:
+        return torch.empty(0, 0)
+    return torch.cat([forward(model, shapes, torch.arange(start, min(start + batch_size, count))
+                              ).softmax(-1) for start in range(0, count, batch_size)])
+
+
+def voted_probabilities(model: torch.nn.Module, full: Tensor, y: Tensor,
+                        rot: Optional[Tensor], points: int, votes: int, seed: int
+                        ) -> Tensor:
+    """Test-time voting: the mean softmax over ``votes`` fresh draws of ``points``
+    of every shape's points (``full`` ``[S, N, 3]``, drawn as the ``"resample"``
+    augmentation does, from a generator seeded ``seed``), each draw rotated by the
+    shape's ``rot`` and encoded as the model reads it."""
+    if votes < 1:
+        raise ValueError(f"votes must be at least 1, got {votes}")
+    g = torch.Generator().manual_seed(seed)
+    total = None
+    for _ in range(votes):
+        draw = augment_shapes(full, points, g, "resample")
+        p = probabilities(model, encode(model, rotate(draw, rot), y))
+        total = p if total is None else total + p
+    return total / votes
 
 
 def accuracy(model: torch.nn.Module, shapes: Dict[str, Tensor], batch_size: int = 64

@@ -10,16 +10,22 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..training.run_files import atomic_write, write_csv, write_json, write_text
+from ..training.run_files import atomic_write, read_json, write_csv, write_json, write_text
 from .modelnet_data import COLUMNS, LABEL, TESTS
 from .units import NUMBER, fail, read_units
 
-__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "budget_curves", "collect", "per_class", "report"]
+__all__ = ["PUBLISHED", "PUBLISHED_NOTE", "VOTES_FILE", "budget_curves", "collect",
+           "per_class", "voting", "report"]
+
+#: A unit's test-time voting results (``python -m qsv_pyg.experiments.modelnet_table
+#: --vote N``), beside its ``metrics.json``.
+VOTES_FILE = "votes.json"
 
 #: Published context, ModelNet40 (40 classes), NOT ModelNet10:
 #: Deng et al., "Vector Neurons: A General Framework for SO(3)-Equivariant
@@ -249,6 +255,53 @@ def plot(path: Path, rows: Dict[str, Dict[str, Any]], chance: float, title: str,
     plt.close(fig)
 
 
+def voting(dataset_root: Path, order: Sequence[str] = ()
+           ) -> Tuple[str, List[Dict[str, Any]]]:
+    """``voting.md`` (empty without any ``votes.json``) and its rows: per row, train
+    protocol and number of draws, the validation and test accuracies of one draw
+    and of voting on the same weights, mean ± std over seeds, and the mean paired
+    gain. A ``votes.json`` that is unreadable or lacks a field is named and left out."""
+    groups: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
+    for path in sorted(Path(dataset_root).glob(f"**/{VOTES_FILE}")):
+        data = read_json(path)
+        try:
+            key = (str(data["row"]), str(data["train"]), int(data["votes"]))
+            entry = {"seed": int(data["seed"]), "final": bool(data["weights"]["final"]),
+                     "val": (float(data["val"]["single"]), float(data["val"]["voted"])),
+                     "test": {p: (float(v["single"]), float(v["voted"]))
+                              for p, v in data["test"].items()}}
+        except (TypeError, KeyError, ValueError, AttributeError) as error:
+            print(f"warning: {path}: unreadable or incomplete ({type(error).__name__}: "
+                  f"{error}); left out", file=sys.stderr)
+            continue
+        groups.setdefault(key, []).append(entry)
+    if not groups:
+        return "", []
+    rank = {name: i for i, name in enumerate(order)}
+    rows = []
+    for (row, train, votes), entries in sorted(
+            groups.items(), key=lambda kv: (rank.get(kv[0][0], len(rank)), kv[0])):
+        cells = {"model": row, "train": LABEL[train], "votes": votes,
+                 "seeds": len(entries),
+                 "weights": "final" if all(e["final"] for e in entries) else
+                 "last full epoch" if not any(e["final"] for e in entries) else "mixed"}
+        parts = [("val", [e["val"] for e in entries])]
+        parts += [(f"test {LABEL[train]}/{LABEL[p]}", [e["test"][p] for e in entries])
+                  for p in TESTS[train] if all(p in e["test"] for e in entries)]
+        for name, pairs in parts:
+            cells[f"{name} single"] = fmt([a for a, _ in pairs])
+            cells[f"{name} voted"] = fmt([b for _, b in pairs])
+            cells[f"{name} gain"] = f"{100 * statistics.fmean(b - a for a, b in pairs):+.1f}"
+        rows.append(cells)
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    lines = ["### Test-time voting: accuracy (%) of one draw of the points and of the mean "
+             "softmax over N fresh draws, on the same weights (mean ± std over seeds; gain: "
+             "mean paired difference)", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "–")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n", rows
+
+
 def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[str] = ()
            ) -> Dict[str, Dict[str, Any]]:
     """``out_root/table.{md,csv}``, ``results.json``, ``accuracy.png`` and (with a
@@ -289,9 +342,13 @@ def report(out_root: Path, dataset: str, quiet: bool = False, order: Sequence[st
         write_text(out_root / "table.md", text)
         write_csv(out_root / "table.csv", columns, table)
         curves = budget_curves(units)
+        votes_text, votes_rows = voting(out_root / dataset, order)
+        if votes_text:
+            write_text(out_root / "voting.md", votes_text)
         write_json(out_root / "results.json", {"title": title, "columns": columns,
                                                "rows": table, "units": units,
-                                               "budget_curves": curves})
+                                               "budget_curves": curves,
+                                               "voting": votes_rows})
         classes_text = per_class(units, order)
         if classes_text:
             write_text(out_root / "per_class.md", classes_text)

@@ -55,7 +55,16 @@ A unit saves its state after every finished epoch (``checkpoint.pt`` in its
 folder, removed when it finishes): run the same command again after an
 interruption and it continues from there on the same CPU clock, with the same
 data order, rotations and augmentations (``resumes`` in ``metrics.json`` counts
-the restarts).
+the restarts). The final weights stay as ``model.pt`` (not committed).
+
+**Test-time voting** (``--vote N``, no training): every finished unit of ``--rows``
+that kept its weights is evaluated again with the mean softmax over ``N`` fresh
+draws of ``--points`` of each validation and test shape's 1,024 points (the
+``"resample"`` draw, seeded per split), on the unit's own rotations, beside the
+one draw it was evaluated on (``votes.json`` in the unit;
+:func:`~qsv_pyg.experiments.modelnet_train.vote_unit`); ``voting.md`` reports both,
+paired by seed. The invariant model gains nothing from voting over rotations; the
+draws of the points are what differs.
 
 **Data** (:mod:`qsv_pyg.experiments.modelnet_data`). ``<data-dir>/<dataset>/*.npz``
 (``--data-dir``, else ``$QSV_DATA_DIR``): ModelNet10 as 1,024 Poisson-disk points per
@@ -78,6 +87,7 @@ Run::
 
     python -m qsv_pyg.experiments.modelnet_table --jobs 2 --budget-cpu-s 1800
     python -m qsv_pyg.experiments.modelnet_table --report-only
+    python -m qsv_pyg.experiments.modelnet_table --rows longer --protocols so3 --vote 10
 """
 from __future__ import annotations
 
@@ -91,8 +101,11 @@ import torch
 
 from . import modelnet_report
 from .modelnet_data import MAX_POINTS, TESTS, base_sets, find_npz, load_arrays
-from .modelnet_train import TABLE_WIDTH, model_of, train_unit, warm_up
-from .units import add_data_dir_arg, check_folder, fail, finished_unit, run_in_workers, run_unit
+from .modelnet_report import VOTES_FILE
+from .modelnet_train import TABLE_WIDTH, model_of, train_unit, vote_unit, warm_up
+from ..training.run_files import read_json, write_json
+from .units import (UNIT_WEIGHTS, add_data_dir_arg, check_folder, fail, finished_unit,
+                    run_in_workers, run_unit)
 
 __all__ = ["ROWS", "ROW_NAMES", "AUGMENTED", "CLASS_WEIGHTED", "LONG_ROWS", "LONGER_ROWS",
            "main", "report", "build_model", "select_rows", "slug"]
@@ -311,6 +324,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="use this many training shapes (a fixed subset; tests)")
     parser.add_argument("--max-test", type=int, default=None,
                         help="use this many test shapes (a fixed subset; tests)")
+    parser.add_argument("--vote", type=int, default=None, metavar="N",
+                        help="no training: evaluate the finished units of --rows that kept "
+                             "their weights (model.pt) with N-draw test-time voting "
+                             "(votes.json in each unit), then rebuild the report")
     parser.add_argument("--jobs", type=int, default=1, help="units at once (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per unit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -318,6 +335,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     for key in ("points", "batch_size", "jobs", "threads"):
         if getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} must be at least 1")
+    if args.vote is not None and args.vote < 1:
+        fail("--vote must be at least 1")
     if args.seeds is not None and args.seeds < 1:
         fail("--seeds must be at least 1")
     if args.batch_size < 2:
@@ -377,6 +396,26 @@ def units_of(args: argparse.Namespace, path: Path, arrays: Dict[str, Any]
     return units
 
 
+def vote(units: Sequence[Tuple[str, Dict[str, Any]]], path: str, votes: int) -> None:
+    """``votes.json`` (:func:`~qsv_pyg.experiments.modelnet_train.vote_unit`) in every
+    finished unit that kept its weights, unless it holds ``votes`` draws already."""
+    from tqdm.auto import tqdm
+    done = [(f, c) for f, c in units if finished_unit(Path(f), c) is not None]
+    skipped = 0
+    for folder, cfg in tqdm(done, desc="voting", disable=not sys.stderr.isatty()):
+        target = Path(folder) / VOTES_FILE
+        if (read_json(target) or {}).get("votes") == votes:
+            continue
+        result = vote_unit(Path(folder), cfg, path, votes)
+        if result is None:
+            skipped += 1
+            continue
+        write_json(target, result)
+    print(f"voting ({votes} draws): {len(done) - skipped} of {len(units)} selected units "
+          f"(finished with kept weights); {len(units) - len(done)} unfinished, {skipped} "
+          f"without {UNIT_WEIGHTS}", file=sys.stderr)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -386,6 +425,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     path = find_npz(args.data_dir, args.dataset, args.npz)
     arrays = load_arrays(path, args.points)
     units = units_of(args, path, arrays)
+    if args.vote is not None:
+        vote(units, str(path), args.vote)
+        return report(args.out_root, args.dataset)
     todo = [(f, c) for f, c in units if finished_unit(Path(f), c) is None]
     todo.sort(key=lambda u: -u[1]["budget_cpu_s"])  # stable: the larger budgets first
     from tqdm.auto import tqdm

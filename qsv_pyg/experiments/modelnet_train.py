@@ -10,18 +10,20 @@ import math
 import platform
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .modelnet_data import (AUGMENTATIONS, CLASS_WEIGHTS, ROTATION_SEED, TESTS,
-                            augment_shapes, base_sets, class_accuracy, class_weights,
-                            confusion, encode, forward, predictions, rotate, rotations)
-from .units import UnitCheckpoint
+                            VOTE_SEED, augment_shapes, base_sets, class_accuracy,
+                            class_weights, confusion, encode, forward, predictions, rotate,
+                            rotations, voted_probabilities)
+from .units import UNIT_WEIGHTS, UnitCheckpoint
 
 __all__ = ["FAMILIES", "TABLE_WIDTH", "TABLE_DEFAULTS", "model_of", "target_params",
-           "train_unit", "warm_up", "cosine"]
+           "train_unit", "vote_unit", "eval_rotations", "warm_up", "cosine"]
 
 #: Model families: QSVGeometric, the Vector Neurons control, DGCNN, PointNet++.
 FAMILIES = ("qsv", "vn", "dgcnn", "pointnet2")
@@ -85,6 +87,16 @@ def versions() -> Dict[str, str]:
 
 def cosine(progress: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+
+
+def eval_rotations(train: str, n_val: int, n_test: int
+                   ) -> Tuple[Optional[torch.Tensor], Dict[str, Optional[torch.Tensor]]]:
+    """The fixed rotations of the evaluation: the validation shapes' (SO3 for an
+    SO3-trained unit, none for an aligned one) and each test protocol's."""
+    val_rot = None if train != "so3" else rotations(
+        "so3", n_val, torch.Generator().manual_seed(ROTATION_SEED["val_so3"]))
+    return val_rot, {protocol: rotations(protocol, n_test, torch.Generator().manual_seed(
+        ROTATION_SEED.get(protocol, 0))) for protocol in TESTS[train]}
 
 
 def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], None],
@@ -213,12 +225,13 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             stopped = True
     bar.close()
     train_cpu = used()
+    if checkpoint is not None:  # the final weights stay (model.pt) for later evaluations
+        checkpoint.save_weights({"model": model.state_dict(), "epoch": epoch, "final": True,
+                                 "used_cpu_seconds": train_cpu})
     t0 = time.process_time()
     val_pos, val_y = sets["val"]
-    val_rot = None
-    if cfg["train"] == "so3":
-        val_rot = rotations("so3", val_y.numel(),
-                            torch.Generator().manual_seed(ROTATION_SEED["val_so3"]))
+    test_pos, test_y = sets["test"]
+    val_rot, test_rots = eval_rotations(cfg["train"], val_y.numel(), test_y.numel())
     classes = cfg["num_classes"]
 
     def evaluate(pos: torch.Tensor, y: torch.Tensor, rot: Optional[torch.Tensor]):
@@ -230,11 +243,8 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
                 matrix, per, balanced)
 
     val, val_confusion, val_per_class, val_balanced = evaluate(val_pos, val_y, val_rot)
-    test_pos, test_y = sets["test"]
     test, test_confusion, test_per_class, test_balanced = {}, {}, {}, {}
-    for protocol in TESTS[cfg["train"]]:
-        g = torch.Generator().manual_seed(ROTATION_SEED.get(protocol, 0))
-        rot = rotations(protocol, test_y.numel(), g)
+    for protocol, rot in test_rots.items():
         (test[protocol], test_confusion[protocol], test_per_class[protocol],
          test_balanced[protocol]) = evaluate(test_pos, test_y, rot)
     return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "test": test,
@@ -254,6 +264,42 @@ def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], N
             "wall_seconds": wall_before + time.time() - start_wall, "resumes": resumes,
             "model": repr(model),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "versions": versions()}
+
+
+def vote_unit(folder: Path, cfg: Dict[str, Any], path: str, votes: int
+              ) -> Optional[Dict[str, Any]]:
+    """Test-time voting on a finished unit's kept weights (``model.pt``; None
+    without them): the validation and test accuracies of one draw (the fixed
+    subsample the unit was evaluated on) and of the mean softmax over ``votes``
+    fresh draws of ``cfg["points"]`` (:func:`~qsv_pyg.experiments.modelnet_data.
+    voted_probabilities`), on the unit's own rotations, paired on the same weights."""
+    from qsv_pyg.training.checkpoint import load_checkpoint
+    weights_path = Path(folder) / UNIT_WEIGHTS
+    if not weights_path.is_file():
+        return None
+    t0 = time.process_time()
+    weights = load_checkpoint(weights_path, map_location="cpu")
+    model = model_of(cfg["family"], cfg.get("model_kwargs", {}), cfg["num_classes"])
+    model.load_state_dict(weights["model"])
+    model.eval()
+    sets = base_sets(path, cfg)
+    val_rot, test_rots = eval_rotations(cfg["train"], sets["val"][1].numel(),
+                                        sets["test"][1].numel())
+
+    def both(split: str, rot: Optional[torch.Tensor]) -> Dict[str, float]:
+        pos, y = sets[split]
+        single = predictions(model, encode(model, rotate(pos, rot), y))
+        voted = voted_probabilities(model, sets[f"{split}_all"][0], y, rot, cfg["points"],
+                                    votes, VOTE_SEED[split]).argmax(-1)
+        n = max(y.numel(), 1)
+        return {"single": int((single == y).sum()) / n, "voted": int((voted == y).sum()) / n}
+
+    return {"row": cfg["row"], "train": cfg["train"], "seed": cfg["seed"], "votes": votes,
+            "points": cfg["points"], "draw_seeds": dict(VOTE_SEED),
+            "weights": {k: weights.get(k) for k in ("epoch", "final", "used_cpu_seconds")},
+            "val": both("val", val_rot),
+            "test": {protocol: both("test", rot) for protocol, rot in test_rots.items()},
+            "eval_cpu_seconds": time.process_time() - t0}
 
 
 _WARM: List[bool] = []

@@ -12,6 +12,8 @@ Every unit (one model on one seed, fold or protocol) trains in its own folder::
     run.lock      the pid of the process training it (only while it does)
     checkpoint.pt a resumable unit's state at its last finished epoch (only until
                   the unit finishes; :data:`UNIT_CHECKPOINT`)
+    model.pt      a resumable unit's final weights (kept after it finishes, not
+                  committed; :data:`UNIT_WEIGHTS`), for evaluations after the fact
 
 What a user may rely on:
 
@@ -67,7 +69,7 @@ except ImportError:  # not POSIX: the cache copy is made without a lock
     fcntl = None
 
 __all__ = ["fail", "check_folder", "finished_unit", "run_unit", "UnitCheckpoint",
-           "UNIT_CHECKPOINT", "read_units",
+           "UNIT_CHECKPOINT", "UNIT_WEIGHTS", "read_units",
            "run_in_workers", "source_digest", "dataset_copy", "NUMBER", "DATA_DIR_ENV",
            "default_data_dir", "add_data_dir_arg"]
 
@@ -161,6 +163,8 @@ def finished_unit(folder: Path, config: Dict[str, Any]) -> Optional[Dict[str, An
 
 #: A resumable unit's checkpoint in its folder.
 UNIT_CHECKPOINT = "checkpoint.pt"
+#: A resumable unit's final weights in its folder (:meth:`UnitCheckpoint.save_weights`).
+UNIT_WEIGHTS = "model.pt"
 
 
 class UnitCheckpoint:
@@ -180,6 +184,14 @@ class UnitCheckpoint:
         if not isinstance(state.get("epoch"), int):
             raise ValueError("a unit checkpoint needs an int 'epoch'")
         save_checkpoint(self.path, state)
+
+    def save_weights(self, state: Dict[str, Any]) -> None:
+        """Keep the trained unit's ``state`` (its ``"model"`` state dict and where
+        it stands) as :data:`UNIT_WEIGHTS` beside the checkpoint; unlike the
+        checkpoint it stays after the unit finishes."""
+        if not isinstance(state.get("model"), dict):
+            raise ValueError("unit weights need a 'model' state dict")
+        save_checkpoint(self.path.with_name(UNIT_WEIGHTS), state)
 
     @classmethod
     def resume(cls, folder: Path) -> "UnitCheckpoint":
@@ -243,7 +255,7 @@ def run_unit(folder: Path, config: Dict[str, Any], train: Callable[..., Dict[str
             truncate_log(folder / "log.jsonl", checkpoint.state["epoch"])
             (folder / "metrics.json").unlink(missing_ok=True)
         else:
-            for name in ("log.jsonl", "metrics.json", UNIT_CHECKPOINT):
+            for name in ("log.jsonl", "metrics.json", UNIT_CHECKPOINT, UNIT_WEIGHTS):
                 (folder / name).unlink(missing_ok=True)
             write_json(folder / "config.json", config)
 
