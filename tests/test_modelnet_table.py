@@ -489,7 +489,7 @@ def test_voting_reuses_kept_weights_and_pairs_one_draw_with_the_units_own(tmp_pa
     (units[1] / "model.pt").unlink()  # a unit trained before the weights were kept
     capsys.readouterr()
     M.main(_args(tmp_path / "data", out, *common, "--vote", "3"))
-    assert "1 without model.pt" in capsys.readouterr().err
+    assert "1 without a readable model.pt" in capsys.readouterr().err
     assert not (units[1] / "votes.json").exists()
     votes = json.loads((units[0] / "votes.json").read_text())
     metrics = json.loads((units[0] / "metrics.json").read_text())
@@ -505,8 +505,13 @@ def test_voting_reuses_kept_weights_and_pairs_one_draw_with_the_units_own(tmp_pa
     assert f"| {gain:+.1f} |" in text
     assert json.loads((out / "results.json").read_text())["voting"][0]["votes"] == 3
     before = (units[0] / "votes.json").stat().st_mtime_ns
+    (units[1] / "model.pt").write_bytes(b"torn")  # damaged weights: named, left out
+    capsys.readouterr()
     M.main(_args(tmp_path / "data", out, *common, "--vote", "3"))
-    assert (units[0] / "votes.json").stat().st_mtime_ns == before
+    err = capsys.readouterr().err
+    assert f"{units[1] / 'model.pt'}: cannot read it" in err and "1 without a readable model.pt" in err
+    assert (units[0] / "votes.json").stat().st_mtime_ns == before  # reused
+    assert not (units[1] / "votes.json").exists()
     with pytest.raises(SystemExit) as info:
         M.main(_args(tmp_path / "data", out, *common, "--vote", "0"))
     assert info.value.code == 2

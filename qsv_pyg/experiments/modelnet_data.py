@@ -32,7 +32,8 @@ from .units import fail
 __all__ = ["TESTS", "LABEL", "COLUMNS", "MAX_POINTS", "AUGMENTATIONS", "SCALE_RANGE",
            "find_npz", "load_arrays", "stratified_split", "unit_sphere", "normalise",
            "augment_shapes", "rotations", "rotate", "base_sets", "encode", "forward",
-           "predictions", "probabilities", "voted_probabilities", "VOTE_SEED", "accuracy", "confusion", "class_accuracy", "class_weights",
+           "predictions", "probabilities", "voted_probabilities", "VOTE_SEED", "accuracy",
+           "confusion", "class_accuracy", "class_weights",
            "CLASS_WEIGHTS"]
 
 REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")

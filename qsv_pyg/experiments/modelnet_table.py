@@ -101,9 +101,10 @@ import torch
 
 from . import modelnet_report
 from .modelnet_data import MAX_POINTS, TESTS, base_sets, find_npz, load_arrays
+from ..training.checkpoint import CheckpointError
+from ..training.run_files import read_json, write_json
 from .modelnet_report import VOTES_FILE
 from .modelnet_train import TABLE_WIDTH, model_of, train_unit, vote_unit, warm_up
-from ..training.run_files import read_json, write_json
 from .units import (UNIT_WEIGHTS, add_data_dir_arg, check_folder, fail, finished_unit,
                     run_in_workers, run_unit)
 
@@ -396,24 +397,31 @@ def units_of(args: argparse.Namespace, path: Path, arrays: Dict[str, Any]
     return units
 
 
-def vote(units: Sequence[Tuple[str, Dict[str, Any]]], path: str, votes: int) -> None:
+def vote(units: Sequence[Tuple[str, Dict[str, Any]]], path: str, votes: int,
+         progress: bool = True) -> None:
     """``votes.json`` (:func:`~qsv_pyg.experiments.modelnet_train.vote_unit`) in every
-    finished unit that kept its weights, unless it holds ``votes`` draws already."""
+    finished unit that kept its weights, unless it holds ``votes`` draws already; a
+    damaged ``model.pt`` is named in a warning line and the unit left out."""
     from tqdm.auto import tqdm
     done = [(f, c) for f, c in units if finished_unit(Path(f), c) is not None]
     skipped = 0
-    for folder, cfg in tqdm(done, desc="voting", disable=not sys.stderr.isatty()):
+    for folder, cfg in tqdm(done, desc="voting", disable=not progress):
         target = Path(folder) / VOTES_FILE
         if (read_json(target) or {}).get("votes") == votes:
             continue
-        result = vote_unit(Path(folder), cfg, path, votes)
+        try:
+            result = vote_unit(Path(folder), cfg, path, votes)
+        except (CheckpointError, OSError) as err:
+            print(f"warning: {Path(folder) / UNIT_WEIGHTS}: cannot read it "
+                  f"({' '.join(str(err).split())}); left out", file=sys.stderr)
+            result = None
         if result is None:
             skipped += 1
             continue
         write_json(target, result)
     print(f"voting ({votes} draws): {len(done) - skipped} of {len(units)} selected units "
           f"(finished with kept weights); {len(units) - len(done)} unfinished, {skipped} "
-          f"without {UNIT_WEIGHTS}", file=sys.stderr)
+          f"without a readable {UNIT_WEIGHTS}", file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
@@ -426,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     arrays = load_arrays(path, args.points)
     units = units_of(args, path, arrays)
     if args.vote is not None:
-        vote(units, str(path), args.vote)
+        vote(units, str(path), args.vote, not args.no_progress)
         return report(args.out_root, args.dataset)
     todo = [(f, c) for f, c in units if finished_unit(Path(f), c) is None]
     todo.sort(key=lambda u: -u[1]["budget_cpu_s"])  # stable: the larger budgets first
