@@ -252,3 +252,41 @@ def test_bad_arguments_and_inputs_are_named():
         m(*stack([blob(20, 0), blob(5, 1)]))
     assert "QSVGeometric(5, hidden_channels=16" in repr(m)
     assert repr(QSVGeometric(3, hierarchy=True)).count("(0.5, 16)") == 1
+
+
+def test_the_usage_voting_lines_average_fresh_draws():
+    """docs/usage.md's voting lines: a dataset whose transform draws fresh points on
+    every access, the mean softmax over the passes."""
+    from torch_geometric.data import Dataset
+    from torch_geometric.loader import DataLoader
+    tetra = Data(pos=torch.tensor([[0.0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]]),
+                 face=torch.tensor([[0, 0, 0, 1], [1, 1, 2, 2], [2, 3, 3, 3]]))
+
+    class Meshes(Dataset):
+        def __init__(self, transform):
+            super().__init__(None, transform)
+
+        def len(self):
+            return 4
+
+        def get(self, i):
+            return Data(pos=tetra.pos * (1 + i), face=tetra.face, y=torch.tensor([i % 2]))
+
+    test_set = Meshes(T.Compose([T.SamplePoints(64), QT.NormalizeRadius()]))
+    torch.manual_seed(0)
+    model = QSVGeometric(2, **SMALL)
+
+    @torch.no_grad()
+    def vote(model, dataset, votes=10):  # mean softmax over fresh draws of the points
+        model.eval()
+        return sum(torch.cat([model(d).softmax(-1) for d in DataLoader(dataset, batch_size=64)])
+                   for _ in range(votes)) / votes
+
+    torch.manual_seed(1)
+    probs = vote(model, test_set, votes=3)
+    assert probs.shape == (4, 2) and torch.allclose(probs.sum(-1), torch.ones(4))
+    torch.manual_seed(1)  # the same three draws, one pass at a time
+    passes = [torch.cat([model(d).softmax(-1) for d in DataLoader(test_set, batch_size=64)])
+              for _ in range(3)]
+    assert torch.allclose(probs, sum(passes) / 3)
+    assert not torch.allclose(passes[0], passes[1])  # each pass drew other points
