@@ -495,12 +495,18 @@ def test_voting_reuses_kept_weights_and_pairs_one_draw_with_the_units_own(tmp_pa
     metrics = json.loads((units[0] / "metrics.json").read_text())
     assert votes["votes"] == 3 and votes["weights"]["final"] is True
     assert votes["val"]["single"] == pytest.approx(metrics["val"])
-    assert set(votes["test"]) == {"so3"}
+    # every test protocol, whatever the training: an SO3-trained unit's weights on
+    # the aligned and z-rotated shapes too (the same fixed rotations as the table's)
+    assert set(votes["test"]) == {"aligned", "z", "so3"}
     assert votes["test"]["so3"]["single"] == pytest.approx(metrics["test"]["so3"])
-    for acc in (votes["val"]["voted"], votes["test"]["so3"]["voted"]):
+    for acc in (votes["val"]["voted"], *(v["voted"] for v in votes["test"].values())):
         assert 0.0 <= acc <= 1.0
+    # QSV-geometric is invariant: the three protocols' draws give the same answers
+    # (up to float32 ties, none at this size)
+    assert votes["test"]["aligned"] == votes["test"]["z"] == votes["test"]["so3"]
     text = (out / "voting.md").read_text()
     assert "| QSV-geometric | SO3 | 3 | 1 | final |" in text
+    assert "test SO3/aligned voted" in text and "test SO3/z gain" in text
     gain = 100 * (votes["test"]["so3"]["voted"] - votes["test"]["so3"]["single"])
     assert f"| {gain:+.1f} |" in text
     assert json.loads((out / "results.json").read_text())["voting"][0]["votes"] == 3
@@ -512,6 +518,13 @@ def test_voting_reuses_kept_weights_and_pairs_one_draw_with_the_units_own(tmp_pa
     assert f"{units[1] / 'model.pt'}: cannot read it" in err and "1 without a readable model.pt" in err
     assert (units[0] / "votes.json").stat().st_mtime_ns == before  # reused
     assert not (units[1] / "votes.json").exists()
+    # a votes.json from before the other protocols were voted is recomputed
+    old = dict(votes, test={"so3": votes["test"]["so3"]})
+    (units[0] / "votes.json").write_text(json.dumps(old))
+    M.main(_args(tmp_path / "data", out, *common, "--vote", "3"))
+    again = json.loads((units[0] / "votes.json").read_text())
+    assert again.pop("eval_cpu_seconds") > 0 and set(again["test"]) == set(votes["test"])
+    assert again == {k: v for k, v in votes.items() if k != "eval_cpu_seconds"}
     with pytest.raises(SystemExit) as info:
         M.main(_args(tmp_path / "data", out, *common, "--vote", "0"))
     assert info.value.code == 2

@@ -32,13 +32,19 @@ from .units import fail
 __all__ = ["TESTS", "LABEL", "COLUMNS", "MAX_POINTS", "AUGMENTATIONS", "SCALE_RANGE",
            "find_npz", "load_arrays", "stratified_split", "unit_sphere", "normalise",
            "augment_shapes", "rotations", "rotate", "base_sets", "encode", "forward",
-           "predictions", "probabilities", "voted_probabilities", "VOTE_SEED", "accuracy",
+           "predictions", "probabilities", "voted_probabilities", "VOTE_SEED", "VOTE_TESTS",
+           "accuracy",
            "confusion", "class_accuracy", "class_weights",
            "CLASS_WEIGHTS"]
 
 REQUIRED = ("pos_train", "y_train", "pos_test", "y_test")
 #: Train protocol -> its test protocols (the columns are train/test).
 TESTS: Dict[str, Tuple[str, ...]] = {"aligned": ("aligned", "z", "so3"), "so3": ("so3",)}
+#: The test rotations of test-time voting, whatever the unit was trained on: an
+#: SO3-trained unit's weights are also evaluated on the aligned and z-rotated
+#: test shapes (for an invariant model the three agree; for the others they
+#: show what the augmentation left).
+VOTE_TESTS: Tuple[str, ...] = TESTS["aligned"]
 LABEL = {"aligned": "aligned", "z": "z", "so3": "SO3"}
 COLUMNS = tuple(f"{LABEL[tr]}/{LABEL[te]}" for tr, tests in TESTS.items() for te in tests)
 #: Seeds of the data choices (fixed for every unit): which points of a shape,

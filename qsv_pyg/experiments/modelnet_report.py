@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..training.run_files import atomic_write, read_json, write_csv, write_json, write_text
-from .modelnet_data import COLUMNS, LABEL, TESTS
+from .modelnet_data import COLUMNS, LABEL, TESTS, VOTE_TESTS
 from .units import NUMBER, fail, read_units
 
 __all__ = ["PUBLISHED", "PUBLISHED_NOTE", "VOTES_FILE", "budget_curves", "collect",
@@ -287,7 +287,7 @@ def voting(dataset_root: Path, order: Sequence[str] = ()
                  "last full epoch" if not any(e["final"] for e in entries) else "mixed"}
         parts = [("val", [e["val"] for e in entries])]
         parts += [(f"test {LABEL[train]}/{LABEL[p]}", [e["test"][p] for e in entries])
-                  for p in TESTS[train] if all(p in e["test"] for e in entries)]
+                  for p in VOTE_TESTS if all(p in e["test"] for e in entries)]
         for name, pairs in parts:
             cells[f"{name} single"] = fmt([a for a, _ in pairs])
             cells[f"{name} voted"] = fmt([b for _, b in pairs])

@@ -60,8 +60,10 @@ the restarts). The final weights stay as ``model.pt`` (not committed).
 **Test-time voting** (``--vote N``, no training): every finished unit of ``--rows``
 that kept its weights is evaluated again with the mean softmax over ``N`` fresh
 draws of ``--points`` of each validation and test shape's 1,024 points (the
-``"resample"`` draw, seeded per split), on the unit's own rotations, beside the
-one draw it was evaluated on (``votes.json`` in the unit;
+``"resample"`` draw, seeded per split), beside the one draw it was evaluated on:
+the validation shapes under the unit's own rotations, the test shapes under every
+protocol (aligned, z, SO3: an SO3-trained unit's weights on the aligned shapes too;
+``votes.json`` in the unit;
 :func:`~qsv_pyg.experiments.modelnet_train.vote_unit`); ``voting.md`` reports both,
 paired by seed. The invariant model gains nothing from voting over rotations; the
 draws of the points are what differs.
@@ -100,7 +102,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import modelnet_report
-from .modelnet_data import MAX_POINTS, TESTS, base_sets, find_npz, load_arrays
+from .modelnet_data import MAX_POINTS, TESTS, VOTE_TESTS, base_sets, find_npz, load_arrays
 from ..training.checkpoint import CheckpointError
 from ..training.run_files import read_json, write_json
 from .modelnet_report import VOTES_FILE
@@ -400,14 +402,16 @@ def units_of(args: argparse.Namespace, path: Path, arrays: Dict[str, Any]
 def vote(units: Sequence[Tuple[str, Dict[str, Any]]], path: str, votes: int,
          progress: bool = True) -> None:
     """``votes.json`` (:func:`~qsv_pyg.experiments.modelnet_train.vote_unit`) in every
-    finished unit that kept its weights, unless it holds ``votes`` draws already; a
+    finished unit that kept its weights, unless it holds ``votes`` draws on every
+    test protocol of ``VOTE_TESTS`` already; a
     damaged ``model.pt`` is named in a warning line and the unit left out."""
     from tqdm.auto import tqdm
     done = [(f, c) for f, c in units if finished_unit(Path(f), c) is not None]
     skipped = 0
     for folder, cfg in tqdm(done, desc="voting", disable=not progress):
         target = Path(folder) / VOTES_FILE
-        if (read_json(target) or {}).get("votes") == votes:
+        kept = read_json(target) or {}
+        if kept.get("votes") == votes and set(VOTE_TESTS) <= set(kept.get("test") or ()):
             continue
         try:
             result = vote_unit(Path(folder), cfg, path, votes)

@@ -11,15 +11,15 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .modelnet_data import (AUGMENTATIONS, CLASS_WEIGHTS, ROTATION_SEED, TESTS,
-                            VOTE_SEED, augment_shapes, base_sets, class_accuracy,
-                            class_weights, confusion, encode, forward, predictions, rotate,
-                            rotations, voted_probabilities)
+                            VOTE_SEED, VOTE_TESTS, augment_shapes, base_sets,
+                            class_accuracy, class_weights, confusion, encode, forward,
+                            predictions, rotate, rotations, voted_probabilities)
 from .units import UNIT_WEIGHTS, UnitCheckpoint
 
 __all__ = ["FAMILIES", "TABLE_WIDTH", "TABLE_DEFAULTS", "model_of", "target_params",
@@ -89,14 +89,17 @@ def cosine(progress: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
-def eval_rotations(train: str, n_val: int, n_test: int
+def eval_rotations(train: str, n_val: int, n_test: int,
+                   tests: Optional[Sequence[str]] = None
                    ) -> Tuple[Optional[torch.Tensor], Dict[str, Optional[torch.Tensor]]]:
     """The fixed rotations of the evaluation: the validation shapes' (SO3 for an
-    SO3-trained unit, none for an aligned one) and each test protocol's."""
+    SO3-trained unit, none for an aligned one) and each test protocol's (``tests``,
+    by default the unit's own, ``TESTS[train]``; a protocol's rotations do not
+    depend on the training protocol)."""
     val_rot = None if train != "so3" else rotations(
         "so3", n_val, torch.Generator().manual_seed(ROTATION_SEED["val_so3"]))
     return val_rot, {protocol: rotations(protocol, n_test, torch.Generator().manual_seed(
-        ROTATION_SEED.get(protocol, 0))) for protocol in TESTS[train]}
+        ROTATION_SEED.get(protocol, 0))) for protocol in (tests or TESTS[train])}
 
 
 def train_unit(cfg: Dict[str, Any], path: str, log: Callable[[Dict[str, Any]], None],
@@ -272,7 +275,10 @@ def vote_unit(folder: Path, cfg: Dict[str, Any], path: str, votes: int
     without them): the validation and test accuracies of one draw (the fixed
     subsample the unit was evaluated on) and of the mean softmax over ``votes``
     fresh draws of ``cfg["points"]`` (:func:`~qsv_pyg.experiments.modelnet_data.
-    voted_probabilities`), on the unit's own rotations, paired on the same weights."""
+    voted_probabilities`), paired on the same weights: the validation shapes under
+    the unit's own rotations, the test shapes under every protocol of
+    :data:`~qsv_pyg.experiments.modelnet_data.VOTE_TESTS` (the same fixed rotations
+    as the table's columns, so the unit's own protocols reproduce its metrics)."""
     from qsv_pyg.training.checkpoint import load_checkpoint
     weights_path = Path(folder) / UNIT_WEIGHTS
     if not weights_path.is_file():
@@ -284,7 +290,7 @@ def vote_unit(folder: Path, cfg: Dict[str, Any], path: str, votes: int
     model.eval()
     sets = base_sets(path, cfg)
     val_rot, test_rots = eval_rotations(cfg["train"], sets["val"][1].numel(),
-                                        sets["test"][1].numel())
+                                        sets["test"][1].numel(), VOTE_TESTS)
 
     def both(split: str, rot: Optional[torch.Tensor]) -> Dict[str, float]:
         pos, y = sets[split]
