@@ -66,7 +66,8 @@ PRECISIONS = ("fp32", "bf16")
 #: Triton specialises integer arguments on divisibility by 16).
 WARMUP_NODES = 64
 KERNELS = ("rotate_rows", "forward_rows", "backward_rows", "backward_cols", "unit_rows",
-           "unit_rows_backward")
+           "unit_rows_backward", "layer_rotate_rows", "layer_forward_rows",
+           "layer_backward_rows", "layer_backward_cols")
 
 Variant = Tuple[str, Tuple[Tuple[str, str], ...], Tuple[Tuple[str, object], ...]]
 #: Keyword arguments of a launch that are compile options, not constexprs: they

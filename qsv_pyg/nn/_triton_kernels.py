@@ -140,8 +140,8 @@ def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
 def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out,
                  alpha_out, dot_out, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
                  HAS_KEYS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-                 BD: tl.constexpr):
+                 LOG_BETA: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                 BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
@@ -151,6 +151,8 @@ def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y
     start = tl.load(rowptr + tl.where(valid, i, N)).to(tl.int64)
     end = tl.load(rowptr + tl.where(valid, i + 1, N)).to(tl.int64)
     b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
+    if LOG_BETA:  # beta given as its logarithm (the layer's parameter)
+        b = tl.exp(b)
     hd = hm[:, None] & (offs_d < D)[None, :]
     kdi = tl.full([BH, BD], 0, ACC)
     if HAS_KEYS:
@@ -238,6 +240,7 @@ def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y
             a = tl.full([BE, BH], 0, ACC) + inv[None, :]
         tl.store(alpha_out + offs_e[:, None] * H + offs_h[None, :],
                  a.to(alpha_out.dtype.element_ty), mask=eh)
+    return y0, y1, y2, y3
 
 
 @triton.jit
@@ -256,18 +259,21 @@ def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, 
     ``TARGETS`` consecutive targets per program (issue 32 item 8c; rows ``>= N`` masked)."""
     for t in tl.static_range(TARGETS):
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
-        _forward_row(i, i < N, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out,
-                     alpha_out, dot_out, H, M, D, USE_ABS, ROTATE, HAS_KEYS, HAS_SCALE,
-                     HAS_BIAS, ACC, BE, BH, BM, BD)
+        z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qd, ks, kd, beta, scale, bias, rowptr,
+                                      col, y_out, z_out, alpha_out, dot_out, H, M, D, USE_ABS,
+                                      ROTATE, HAS_KEYS, HAS_SCALE, HAS_BIAS, False, ACC, BE,
+                                      BH, BM, BD)
 
 
 @triton.jit
 def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
-                  ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
-                  USE_ABS: tl.constexpr, ROTATE: tl.constexpr, HAS_KEYS: tl.constexpr,
-                  HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_Q: tl.constexpr,
-                  NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
-                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                  ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, gbp_sn,
+                  g, w, gh, gh_sn, root_off, F, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                  HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr,
+                  PROJECT: tl.constexpr, LOG_BETA: tl.constexpr, ACC: tl.constexpr,
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                  BF: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
@@ -280,8 +286,13 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
     mask_i = hm[:, None] & mm[None, :]
     # gz may be strided over nodes and heads (the transposed gradient of the
     # layer's per-head projection): blocks of four contiguous within a row
-    off_g = i * gz_sn + offs_h[:, None].to(tl.int64) * gz_sh + offs_m[None, :] * 4
-    g0, g1, g2, g3 = _load4(gz, off_g, mask_i, ACC)
+    if PROJECT:  # gz = W_h g_i from the layer's output gradient (stored for pass B)
+        g0, g1, g2, g3 = _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off,
+                                       H, M, F, ACC, BF)
+        _store4(gz, off_i, mask_i, g0, g1, g2, g3)
+    else:
+        off_g = i * gz_sn + offs_h[:, None].to(tl.int64) * gz_sh + offs_m[None, :] * 4
+        g0, g1, g2, g3 = _load4(gz, off_g, mask_i, ACC)
     c0, c1, c2, c3 = g0, g1, g2, g3  # gz itself (d qd_i reads it)
     if ROTATE:
         qw, qx, qy, qz = _load4(qd, i * H * 4 + offs_h * 4, hm, ACC)
@@ -308,6 +319,8 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
         tl.store(ga_buf + off_eh, ga, mask=eh)
     tl.debug_barrier()  # the second walk reads what the first stored
     b = tl.load(beta + offs_h, mask=hm, other=0).to(ACC)
+    if LOG_BETA:
+        b = tl.exp(b)
     hd = hm[:, None] & (offs_d < D)[None, :]
     kdi = tl.full([BH, BD], 0, ACC)
     if HAS_KEYS:
@@ -339,7 +352,9 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
             tl.store(gd + off_eh, g, mask=eh)
             if NEED_K:
                 gk += tl.reduce(g[:, :, None] * kj, 0, _ADD)
-    tl.store(gbeta_part + i * H + offs_h, gb, mask=hm)
+    if LOG_BETA:  # d log(beta) = beta d beta
+        gb = gb * b
+    tl.store(gbeta_part + i * gbp_sn + offs_h, gb.to(gbeta_part.dtype.element_ty), mask=hm)
     if NEED_K:
         tl.store(gkd + i * H * D + offs_h[:, None] * D + offs_d[None, :],
                  gk.to(gkd.dtype.element_ty), mask=hd)
@@ -369,9 +384,9 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
     for t in tl.static_range(TARGETS):
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
         _backward_row(i, i < N, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
-                      ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh,
-                      USE_ABS, ROTATE, HAS_KEYS, HAS_GALPHA, HAS_SCALE, NEED_Q, NEED_K,
-                      NEED_BIAS, ACC, BE, BH, BM, BD)
+                      ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, H,
+                      gz, gz, gz, 0, 0, 0, USE_ABS, ROTATE, HAS_KEYS, HAS_GALPHA, HAS_SCALE,
+                      NEED_Q, NEED_K, NEED_BIAS, False, False, ACC, BE, BH, BM, BD, 1)
 
 
 @triton.jit
@@ -380,7 +395,8 @@ def _backward_col(j, valid, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, pe
                   HAS_SCALE: tl.constexpr, NEED_U: tl.constexpr, NEED_V: tl.constexpr,
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, SUM_QD: tl.constexpr,
                   SUM_KD: tl.constexpr, KEYS_INTO_Q: tl.constexpr, ACC: tl.constexpr,
-                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                  BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                  h_raw, bq, h_sn, gq_sn, UNIT: tl.constexpr, EPS: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
@@ -455,7 +471,12 @@ def _backward_col(j, valid, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, pe
                 dx += tl.reduce(tl.where(col_d == 1, gk, 0.0), 1, _ADD)
                 dy += tl.reduce(tl.where(col_d == 2, gk, 0.0), 1, _ADD)
                 dz += tl.reduce(tl.where(col_d == 3, gk, 0.0), 1, _ADD)
-            _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
+            if UNIT:  # qs = unit(h_j + bq): the normalisation's gradient, into h's rows
+                dw, dx, dy, dz = _unit_grad(h_raw, bq, j * h_sn + offs_h * 4, offs_h * 4, hm,
+                                            dw, dx, dy, dz, EPS, ACC)
+                _store4(gqs, j * gq_sn + offs_h * 4, hm, dw, dx, dy, dz)
+            else:
+                _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
 
 
 @triton.jit
@@ -484,7 +505,7 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
         _backward_col(j, j < N, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv,
                       gqs, gks, gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE, HAS_SCALE, NEED_U,
                       NEED_V, NEED_Q, NEED_K, SUM_QD, SUM_KD, KEYS_INTO_Q, ACC, BE, BH, BM,
-                      BD)
+                      BD, gqs, gqs, 0, 0, False, 0.0)
 
 
 @triton.jit
@@ -519,3 +540,160 @@ def unit_rows_backward(q, g, out, R, EPS: tl.constexpr, ACC: tl.constexpr,
     _store4(out, offs * 4, rm, tl.where(small, 0.0, (g0 - w * d) / n),
             tl.where(small, 0.0, (g1 - x * d) / n), tl.where(small, 0.0, (g2 - y * d) / n),
             tl.where(small, 0.0, (g3 - z * d) / n))
+
+
+# ------------------------------------------------- the layer's fused kernels
+# QSVConv's common configuration in four kernels and six PyTorch ops per
+# forward+backward (qsv_pyg.nn.fused_layer): the quaternion map's bias, the
+# normalisation, exp(log beta), the per-head projection W_h, the root term and
+# the output bias run inside the row kernels; the quaternion map and the root
+# weight are one matmul whose output ``h = x [W_q; W_r]^T`` the kernels read
+# (the raw quaternions at columns ``[0, 4H)``, the root term at ``root_off``).
+
+
+@triton.jit
+def _unit(h_raw, bq, off, boff, mask, EPS: tl.constexpr, ACC: tl.constexpr):
+    """``unit(h[off:off+4] + bq[boff:boff+4])`` as :func:`unit_rows` (the
+    identity where the norm is ``<= EPS``), and the norm's divisor."""
+    w, x, y, z = _load4(h_raw, off, mask, ACC)
+    bw, bx, by, bz = _load4(bq, boff, mask, ACC)
+    w, x, y, z = w + bw, x + bx, y + by, z + bz
+    norm = tl.sqrt(w * w + x * x + y * y + z * z)
+    small = norm <= EPS
+    n = tl.where(small, EPS, norm)  # clamp_min: a NaN norm stays NaN
+    return (tl.where(small, 1.0, w / n), tl.where(small, 0.0, x / n),
+            tl.where(small, 0.0, y / n), tl.where(small, 0.0, z / n), n, small)
+
+
+@triton.jit
+def _unit_grad(h_raw, bq, off, boff, mask, dw, dx, dy, dz, EPS: tl.constexpr,
+               ACC: tl.constexpr):
+    """The gradient through :func:`_unit` of ``d`` (as :func:`unit_rows_backward`)."""
+    w, x, y, z, n, small = _unit(h_raw, bq, off, boff, mask, EPS, ACC)
+    d = w * dw + x * dx + y * dy + z * dz
+    return (tl.where(small, 0.0, (dw - w * d) / n), tl.where(small, 0.0, (dx - x * d) / n),
+            tl.where(small, 0.0, (dy - y * d) / n), tl.where(small, 0.0, (dz - z * d) / n))
+
+
+@triton.jit
+def layer_rotate_rows(v, h_raw, bq, qn, u, R, H, M, h_sn, EPS: tl.constexpr,
+                      ACC: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
+    """For ``BR`` of the ``R = N H`` rows (node, head): the unit quaternion
+    ``qn = unit(h_n + bq)`` (stored: the row kernels read it) and the rotated
+    source ``u = Q(qn) v``."""
+    offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    offs_m = tl.arange(0, BM)
+    rm = offs_r < R
+    head = offs_r % H
+    qw, qx, qy, qz, _n, _small = _unit(h_raw, bq, (offs_r // H) * h_sn + head * 4, head * 4,
+                                       rm, EPS, ACC)
+    _store4(qn, offs_r * 4, rm, qw, qx, qy, qz)
+    mask = rm[:, None] & (offs_m < M)[None, :]
+    off = offs_r[:, None] * (M * 4) + offs_m[None, :] * 4
+    a0, a1, a2, a3 = _load4(v, off, mask, ACC)
+    o0, o1, o2, o3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], a0, a1, a2,
+                             a3, False)
+    _store4(u, off, mask, o0, o1, o2, o3)
+
+
+@triton.jit
+def _project_row(i, valid, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
+                 ACC: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    """``out_i = concat_h W_h^T z_i^h + h_i[root] + bias`` for the program's heads
+    (``W`` ``[H, 4 M, F]``, channel ``4 m + c`` of head ``h`` at ``(h 4 M + 4 m +
+    c) F``)."""
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = offs_h < tl.where(valid, H, 0)
+    offs_m = tl.arange(0, BM)
+    offs_f = tl.arange(0, BF)
+    fm = offs_f < F
+    wb = offs_h[:, None, None] * (M * 4 * F) + offs_m[None, :, None] * (4 * F) + \
+        offs_f[None, None, :]
+    wm = hm[:, None, None] & (offs_m < M)[None, :, None] & fm[None, None, :]
+    o = tl.reduce(z0[:, :, None] * tl.load(w + wb, mask=wm, other=0).to(ACC), 1, _ADD)
+    o += tl.reduce(z1[:, :, None] * tl.load(w + wb + F, mask=wm, other=0).to(ACC), 1, _ADD)
+    o += tl.reduce(z2[:, :, None] * tl.load(w + wb + 2 * F, mask=wm, other=0).to(ACC), 1,
+                   _ADD)
+    o += tl.reduce(z3[:, :, None] * tl.load(w + wb + 3 * F, mask=wm, other=0).to(ACC), 1,
+                   _ADD)
+    hf = offs_h[:, None] * F + offs_f[None, :]
+    mhf = hm[:, None] & fm[None, :]
+    o += tl.load(h_raw + i * h_sn + root_off + hf, mask=mhf, other=0).to(ACC)
+    o += tl.load(bias + hf, mask=mhf, other=0).to(ACC)
+    tl.store(out + i * (H * F) + hf, o.to(out.dtype.element_ty), mask=mhf)
+
+
+@triton.jit
+def _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off, H, M, F,
+                  ACC: tl.constexpr, BF: tl.constexpr):
+    """The transpose of :func:`_project_row` for one target: ``gz = W_h g_i^h``
+    (four component tiles ``[BH, BM]``); ``g_i`` itself (the gradient of the root
+    term and the bias) is copied into ``gh``'s row at ``root_off``."""
+    offs_f = tl.arange(0, BF)
+    fm = offs_f < F
+    hf = offs_h[:, None] * F + offs_f[None, :]
+    mhf = hm[:, None] & fm[None, :]
+    gt = tl.load(g + i * (H * F) + hf, mask=mhf, other=0).to(ACC)
+    tl.store(gh + i * gh_sn + root_off + hf, gt.to(gh.dtype.element_ty), mask=mhf)
+    wb = offs_h[:, None, None] * (M * 4 * F) + offs_m[None, :, None] * (4 * F) + \
+        offs_f[None, None, :]
+    wm = hm[:, None, None] & mm[None, :, None] & fm[None, None, :]
+    gg = gt[:, None, :]
+    c0 = tl.reduce(gg * tl.load(w + wb, mask=wm, other=0).to(ACC), 2, _ADD)
+    c1 = tl.reduce(gg * tl.load(w + wb + F, mask=wm, other=0).to(ACC), 2, _ADD)
+    c2 = tl.reduce(gg * tl.load(w + wb + 2 * F, mask=wm, other=0).to(ACC), 2, _ADD)
+    c3 = tl.reduce(gg * tl.load(w + wb + 3 * F, mask=wm, other=0).to(ACC), 2, _ADD)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def layer_forward_rows(src, qn, log_beta, rowptr, col, y_out, z_out, alpha_out, dot_out, w,
+                       h_raw, h_sn, root_off, bias, out, H, M, F, N, ACC: tl.constexpr,
+                       BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                       BD: tl.constexpr, BF: tl.constexpr, TARGETS: tl.constexpr):
+    """:func:`forward_rows` with learned routing on the unit quaternions ``qn``
+    (keys and transport of both ends; ``beta = exp(log_beta)``), then the
+    projection, root term and bias of :func:`_project_row`: the layer's output."""
+    for t in tl.static_range(TARGETS):
+        i = tl.program_id(0).to(tl.int64) * TARGETS + t
+        z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qn, qn, qn, log_beta, log_beta,
+                                      log_beta, rowptr, col, y_out, z_out, alpha_out, dot_out,
+                                      H, M, 4, False, True, True, False, False, True, ACC, BE,
+                                      BH, BM, BD)
+        _project_row(i, i < N, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
+                     ACC, BH, BM, BF)
+
+
+@triton.jit
+def layer_backward_rows(g, galpha, w, src, qn, log_beta, rowptr, col, alpha, y, ga_buf, gd,
+                        gz, gh, gh_sn, root_off, beta_off, gqd, gkd, H, M, F, N,
+                        HAS_GALPHA: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                        BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                        BF: tl.constexpr, TARGETS: tl.constexpr):
+    """:func:`backward_rows` of :func:`layer_forward_rows`: ``gz = W_h g`` from the
+    output gradient ``g`` (stored in ``gz`` for pass B), ``g`` copied into
+    ``gh`` at ``root_off``, d log beta's per-target part into ``gh`` at
+    ``beta_off`` (one sum over ``gh``'s rows then gives the biases' and log
+    beta's gradients)."""
+    for t in tl.static_range(TARGETS):
+        i = tl.program_id(0).to(tl.int64) * TARGETS + t
+        _backward_row(i, i < N, N, gz, galpha, src, qn, qn, qn, log_beta, log_beta, rowptr,
+                      col, alpha, y, ga_buf, gd, ga_buf, gh + beta_off, gqd, gkd, H, M, 4, 0,
+                      0, gh_sn, g, w, gh, gh_sn, root_off, F, False, True, True, HAS_GALPHA,
+                      False, True, True, False, True, True, ACC, BE, BH, BM, BD, BF)
+
+
+@triton.jit
+def layer_backward_cols(gz, v, qn, alpha, gd, rowptr_t, perm_t, row_t, gv, gh, gh_sn, gks,
+                        gqd, gkd, h_raw, bq, h_sn, H, M, N, NEED_V: tl.constexpr, EPS: tl.constexpr,
+                        ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
+                        BM: tl.constexpr, BD: tl.constexpr, TARGETS: tl.constexpr):
+    """:func:`backward_cols` of the layer: d v and the summed gradient of the unit
+    quaternions (transport and keys of both ends) taken back through the
+    normalisation into the raw quaternions' columns of ``gh``."""
+    for t in tl.static_range(TARGETS):
+        j = tl.program_id(0).to(tl.int64) * TARGETS + t
+        _backward_col(j, j < N, N, gz, v, qn, qn, qn, alpha, alpha, gd, rowptr_t, perm_t,
+                      row_t, gv, gh, gks, gqd, gkd, H, M, 4, H * M * 4, M * 4, True, False,
+                      True, NEED_V, True, True, True, True, True, ACC, BE, BH, BM, BD, h_raw,
+                      bq, h_sn, gh_sn, True, EPS)

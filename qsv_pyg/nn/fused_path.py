@@ -14,7 +14,7 @@ per-item batch copies, the dropout mask, the edge terms of
 from __future__ import annotations
 
 import warnings
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch_geometric.typing import Adj, OptTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
+from . import fused_layer
 from .checks import check_option
 from .graph_cache import graph_csr
 from .qsv_kernel import qsv_attend
@@ -145,6 +146,67 @@ class FusedPathMixin:
 
     def _drops_attention(self) -> bool:
         return self.training and self.dropout > 0
+
+    def fused_layer_reason(self, x, edge_index: Adj, edge_attr: OptTensor = None, quat=None,
+                           pos=None, size=None) -> Optional[str]:
+        """Why a call does not run as the one operator of the whole layer,
+        ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`: 10 launches per
+        forward+backward on the Triton path instead of 28), or :obj:`None` when it
+        does. It takes the default layer on the Triton path: feature quaternions,
+        learned routing, the sandwich transport, root weight, bias, concatenated
+        heads, 2-D float32/float64 input of a width divisible by ``4 * heads``
+        over a homogeneous graph that :meth:`choose_path` gives the operator,
+        no edge terms, no attention dropout, no finiteness check, no autocast.
+        Everything else composes ``qsv_pyg::attend`` with the layer's own ops
+        (the same result)."""
+        from torch.nn.parameter import UninitializedParameter
+        checks = (
+            (not isinstance(x, Tensor), "bipartite input"),
+            (isinstance(x, Tensor) and x.dim() != 2, "batched [B, N, C] input"),
+            (quat is not None or pos is not None or size is not None,
+             "quat, pos or size given"),
+            (self.quat_source not in ("auto", "features") or self.lin_quat is None,
+             f"quat_source={self.quat_source!r}"),
+            (self.routing != "learned" or self.transport != "sandwich",
+             "routing or transport other than learned / sandwich"),
+            (self.project_input or self.edge_dim is not None or self.source_logit
+             or bool(self.edge_message) or edge_attr is not None,
+             "input projection or edge terms"),
+            (not self.concat or self.lin_skip is None or self.bias is None,
+             "concat=False, no root weight or no bias"),
+            (self.add_self_loops, "add_self_loops=True"),
+            (self._drops_attention(), "attention dropout"),
+        )
+        for failed, why in checks:
+            if failed:
+                return why
+        if any(isinstance(p, UninitializedParameter)
+               for p in (self.weight, self.lin_quat.weight, self.lin_skip.weight)):
+            return "a lazy layer before its first call"
+        if x.size(0) == 0 or x.size(1) != self.weight.size(0) * self.weight.size(1):
+            return "no nodes, or features padded to a multiple of 4 * heads"
+        if self._checks_finite(x):
+            return "check_finite (checked on the composed path)"
+        if any(p.dtype != x.dtype for p in (self.weight, self.lin_quat.weight,
+                                              self.lin_skip.weight, self.bias)):
+            return "parameters of another dtype than the features"
+        path, why = self.path_reason(x, None, edge_index)
+        if path != "attend_shared":
+            return why
+        return fused_layer.applies(x, self.heads, self.out_channels)
+
+    def _attend_layer(self, x: Tensor, edge_index: Tensor, want_alpha: bool):
+        """The whole layer as ``qsv_pyg::attend_layer`` (see
+        :meth:`fused_layer_reason`); with ``want_alpha`` also ``(edge_index,
+        alpha)``, the weights in the order of ``edge_index``."""
+        n = x.size(0)
+        graph = graph_csr(edge_index, n, n)
+        out, alpha = fused_layer.qsv_attend_layer(
+            x, self.lin_quat.weight, self.lin_quat.bias, self.lin_skip.weight, self.bias,
+            self.weight, self.log_beta, graph)
+        if want_alpha:
+            return out, (edge_index, torch.empty_like(alpha).index_copy_(0, graph.perm, alpha))
+        return out
 
 
     def _routing_keys(self, q_src: Tensor, q_dst: OptTensor, num_src: int, num_dst: int,

@@ -482,6 +482,8 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
             x_src, x_dst = x
         self._check_call(x_src, x_dst, edge_index)
         edge_attr = self._check_edge_attr(edge_attr, edge_index)
+        if self.fused_layer_reason(x, edge_index, edge_attr, quat, pos, size) is None:
+            return self._attend_layer(x_src, edge_index, bool(return_attention_weights))
         x_root = x_dst  # the root weight reads the raw target features
         if self.project_input:
             x_src, x_dst = self._project_input(x_src, x_dst)

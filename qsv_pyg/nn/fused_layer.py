@@ -1,0 +1,240 @@
+r"""QSVConv's common configuration as one registered operator, ``qsv_pyg::attend_layer``.
+
+.. math::
+    q = \operatorname{unit}(W_q x + b_q), \quad
+    \mathbf{x}'_i = \big\Vert_{h} \mathbf{W}_h \mathbf{z}_i^{(h)}
+        + \mathbf{W}_r \mathbf{x}_i + \mathbf{b},
+
+with :math:`\mathbf{z}` the attention of :func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`
+with the unit quaternions as transport and keys of both ends (learned routing,
+:math:`\beta = \exp(\log\beta)`): :class:`~qsv_pyg.nn.QSVConv`'s default layer
+on a homogeneous graph (feature quaternions, ``routing="learned"``,
+``transport="sandwich"``, root weight, bias, ``concat=True``, no edge terms, no
+attention dropout, no padding).
+
+Why a second operator: on the Triton path the layer composed of
+``qsv_pyg::attend`` and its own PyTorch ops launches 28 kernels per
+forward+backward; this one launches 10 (:mod:`qsv_pyg.nn.triton_layer`; issue
+32's aim). Every other implementation (the C++ CPU kernel, the PyTorch one) is
+the same composition of ``qsv_pyg::attend`` as the layer's, so
+:meth:`QSVConv._fused_layer_reason <qsv_pyg.nn.QSVConv>` sends a call here only
+on the Triton path (``QSV_PYG_FUSED_LAYER=0``: never). The backward is written
+out (one autograd node for the whole layer); under ``create_graph=True`` it is
+autograd of the composition (:func:`reference`), so second derivatives are exact.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..quaternion import unit_quaternion
+from . import triton_kernel, triton_layer
+from .csr import GraphCSR
+
+#: ``QSV_PYG_FUSED_LAYER``: ``1`` (default: use the operator where it applies) or
+#: ``0`` (never: the layer composes ``qsv_pyg::attend`` with its own ops). Read
+#: at every call.
+FUSED_LAYER_ENV = "QSV_PYG_FUSED_LAYER"
+#: The quaternion normalisation's threshold (:func:`~qsv_pyg.quaternion.unit_quaternion`).
+EPS = 1e-8
+
+
+def enabled() -> bool:
+    return os.environ.get(FUSED_LAYER_ENV, "1") != "0"
+
+
+def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
+              log_beta: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
+              perm_t: Tensor, row_t: Tensor) -> Tuple[Tensor, Tensor]:
+    """The operator as the composition the layer runs (differentiable PyTorch ops
+    and ``qsv_pyg::attend``): ``(out, alpha)``."""
+    from .qsv_kernel import attend
+    N = x.size(0)
+    H, C, _ = weight.shape
+    q = unit_quaternion(F.linear(x, w_cat[:4 * H], b_quat).view(N, H, 4), EPS)
+    z, alpha, _, _, _ = attend(x.reshape(N, H, C // 4, 4), q, q, q, q, log_beta.exp(),
+                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
+                               rowptr_t, perm_t, row_t, False, True)
+    proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
+    return proj.reshape(N, -1) + F.linear(x, w_cat[4 * H:]) + bias, alpha
+
+
+Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("qsv_pyg::attend_layer", mutates_args=())
+def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
+                 log_beta: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
+                 perm_t: Tensor, row_t: Tensor) -> Tensors7:
+    """``(out, alpha, h, qn, u, y, z)``: the output ``[N, H F]``, the weights
+    ``[E, H]`` in the graph's target-sorted order, and what the backward reads
+    (``h = x w_cat^T``, the unit quaternions, the rotated sources, the
+    aggregate before and after the target's rotation). ``w_cat``: the
+    quaternion map's matrix over the root weight's, ``[4 H + H F, 4 H M]``."""
+    if triton_kernel.available(x):
+        return triton_layer.forward(x.contiguous(), w_cat.contiguous(), b_quat.contiguous(),
+                                    bias.contiguous(), weight.contiguous(),
+                                    log_beta.contiguous(), rowptr, col, EPS)
+    # Elsewhere (no Triton) the composition itself.
+    from .qsv_kernel import attend
+    N, H = x.size(0), weight.size(0)
+    C = weight.size(1)
+    h = torch.mm(x, w_cat.t())  # (as on the Triton path: the quaternion bias added after)
+    qn = unit_quaternion(h[:, :4 * H].add(b_quat).view(N, H, 4), EPS)
+    z, alpha, u, y, _ = attend(x.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
+                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
+                               rowptr_t, perm_t, row_t, False, True)
+    proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
+    out = proj.reshape(N, -1) + h[:, 4 * H:] + bias
+    return out, alpha, h, qn, u, y, z
+
+
+@attend_layer.register_fake
+def _(x, w_cat, b_quat, bias, weight, log_beta, rowptr, col, row, rowptr_t, perm_t, row_t):
+    N = x.size(0)
+    H, C, Fo = weight.shape
+    E = col.size(0)
+    feats = x.new_empty(N, H, C // 4, 4)
+    return (x.new_empty(N, H * Fo), x.new_empty(E, H), x.new_empty(N, 4 * H + H * Fo),
+            x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), x.new_empty(feats.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output[1:])
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
+
+
+@torch.library.custom_op("qsv_pyg::attend_layer_backward", mutates_args=())
+def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat: Tensor,
+                          b_quat: Tensor, weight: Tensor, log_beta: Tensor, rowptr: Tensor,
+                          col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+                          row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
+                          y: Tensor, need_v: bool) -> Tuple[Tensor, Tensor]:
+    """``(gv, gh)``: d x through the attention's values ``[N, 4 H M]`` (empty
+    unless ``need_v``) and the buffer ``gh`` ``[N, 4H + HF + H]`` whose row sum
+    holds the quaternion bias's, the bias's and log beta's gradients and whose
+    first ``4H + HF`` columns are d h (:mod:`qsv_pyg.nn.triton_layer`)."""
+    if triton_kernel.available(x):
+        gv, gh = triton_layer.backward(g.contiguous(), galpha, x.contiguous(), h,
+                                       b_quat.contiguous(), weight.contiguous(),
+                                       log_beta.contiguous(), rowptr, col, rowptr_t, perm_t,
+                                       row_t, alpha, qn, u, y, need_v, EPS)
+        return gv.view(x.shape) if need_v else gv, gh
+    # Elsewhere: autograd of the composition for the same buffer (log beta's
+    # whole gradient in the first row).
+    from .qsv_kernel import attend
+    N = x.size(0)
+    H, C, Fo = weight.shape
+    with torch.enable_grad():
+        xv = x.detach().requires_grad_(True)
+        hq = h[:, :4 * H].add(b_quat).detach().requires_grad_(True)
+        lb = log_beta.detach().requires_grad_(True)
+        q = unit_quaternion(hq.view(N, H, 4), EPS)
+        z, a, _, _, _ = attend(xv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(),
+                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
+                               rowptr_t, perm_t, row_t, False, True)
+        out = torch.bmm(z.view(N, H, C).transpose(0, 1), weight.detach())
+        outs, grads = [out], [g.view(N, H, Fo).transpose(0, 1)]
+        if galpha is not None:
+            outs.append(a)
+            grads.append(galpha)
+        gv, ghq, glb = torch.autograd.grad(outs, [xv, hq, lb], grads, allow_unused=True)
+    gbeta = torch.zeros(N, H, dtype=x.dtype, device=x.device)
+    gbeta[:1] = glb
+    gh = torch.cat([ghq, g.reshape(N, -1), gbeta], dim=1)
+    return gv if need_v else x.new_empty(0), gh
+
+
+@attend_layer_backward.register_fake
+def _(g, galpha, x, w_cat, b_quat, weight, log_beta, rowptr, col, row, rowptr_t, perm_t,
+      row_t, alpha, h, qn, u, y, need_v):
+    H, _, Fo = weight.shape
+    return (x.new_empty(x.shape) if need_v else x.new_empty(0),
+            x.new_empty(x.size(0), 4 * H + H * Fo + H))
+
+
+def _backward(ctx, g_out, g_alpha, *_unused):
+    (x, w_cat, b_quat, bias, weight, log_beta, rowptr, col, row, rowptr_t, perm_t, row_t,
+     alpha, h, qn, u, y, z) = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    graph = (rowptr, col, row, rowptr_t, perm_t, row_t)
+    if g_out is None and g_alpha is None:
+        return (None, ) * 12
+    if g_out is None:
+        g_out = x.new_zeros(x.size(0), weight.size(0) * weight.size(2))
+    if torch.is_grad_enabled():
+        # create_graph=True: autograd of the composition, on the saved inputs
+        # themselves (exact second derivatives; the forward recomputed).
+        inputs = (x, w_cat, b_quat, bias, weight, log_beta)
+        out, alpha_r = reference(*inputs, *graph)
+        wanted = [t for t, n in zip(inputs, need[:6]) if n]
+        outs, grads = [out], [g_out]
+        if g_alpha is not None:
+            outs.append(alpha_r)
+            grads.append(g_alpha)
+        got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True,
+                                       create_graph=True))
+        return (*(next(got) if n else None for n in need[:6]), *(None, ) * 6)
+    N, width = x.shape
+    H, C, Fo = weight.shape
+    g_out = g_out.contiguous()
+    gv, gh = attend_layer_backward(g_out, None if g_alpha is None else g_alpha.contiguous(),
+                                   x, w_cat, b_quat, weight, log_beta, *graph, alpha, h, qn,
+                                   u, y, need[0])
+    rows = 4 * H + H * Fo
+    gx = gw_cat = gb_quat = gbias = gweight = glog_beta = None
+    if need[2] or need[3] or need[5]:
+        sums = gh.sum(0)  # the quaternion bias, the output bias, log beta at once
+        gb_quat, gbias, glog_beta = sums[:4 * H], sums[4 * H:rows], sums[rows:]
+    if need[4]:  # d W_h = z_h^T g_h, both read strided
+        gweight = torch.bmm(z.view(N, H, C).permute(1, 2, 0),
+                            g_out.view(N, H, Fo).transpose(0, 1))
+    if need[0]:  # d x = d v + gh [W_q; W_r]
+        gx = torch.addmm(gv, gh[:, :rows], w_cat)
+    if need[1]:
+        gw_cat = torch.mm(gh[:, :rows].t(), x)
+    return (gx, gw_cat, gb_quat if need[2] else None, gbias if need[3] else None, gweight,
+            glog_beta if need[5] else None, *(None, ) * 6)
+
+
+attend_layer.register_autograd(_backward, setup_context=_setup_context)
+
+
+def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
+                     bias: Tensor, weight: Tensor, log_beta: Tensor,
+                     graph: GraphCSR) -> Tuple[Tensor, Tensor]:
+    r"""The layer's output ``[N, H F]`` and attention weights ``[E, H]`` (in the
+    graph's target-sorted edge order) over ``graph`` (``N`` nodes, homogeneous).
+
+    Args:
+        x: node features ``[N, 4 H M]``.
+        w_quat, b_quat: the quaternion map ``[4 H, 4 H M]``, ``[4 H]``.
+        w_root, bias: the root weight ``[H F, 4 H M]`` and the bias ``[H F]``.
+        weight: the per-head projection ``[H, 4 M, F]``.
+        log_beta: the routing temperatures' logarithms ``[H]``.
+    """
+    out, alpha, *_ = attend_layer(x, torch.cat([w_quat, w_root]), b_quat, bias, weight,
+                                  log_beta, graph.rowptr, graph.col, graph.row,
+                                  graph.rowptr_t, graph.perm_t, graph.row_t)
+    return out, alpha
+
+
+def applies(x: Tensor, heads: int, out_channels: int) -> Optional[str]:
+    """Why the operator cannot take features like ``x`` (None: it can): it runs
+    float32/float64 features on the Triton path outside autocast."""
+    if not enabled():
+        return f"{FUSED_LAYER_ENV}=0"
+    if not triton_kernel.available(x):
+        return "not on the Triton path"
+    if x.dtype not in (torch.float32, torch.float64):
+        return f"{x.dtype} features (float32 / float64 only)"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast (the composed path keeps half-precision storage)"
+    if not triton_layer.fits(x, heads, out_channels):
+        return "the projection tile is too wide for one program"
+    return None

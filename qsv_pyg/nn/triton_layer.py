@@ -1,0 +1,147 @@
+r"""Triton launches of ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`).
+
+QSVConv's common configuration (feature quaternions, learned routing, the
+sandwich transport, root weight and bias, concatenated heads) as four Triton
+kernels (:mod:`qsv_pyg.nn._triton_kernels`, "the layer's fused kernels") and
+six PyTorch ops per forward+backward, against 28 launches when the layer
+composes the operator with its own PyTorch ops (issue 32: at most 10):
+
+forward (4)
+    ``cat`` of the quaternion map's and root weight's matrices and one ``mm``:
+    ``h = x [W_q; W_r]^T``; ``layer_rotate_rows``: ``qn = unit(h_q + b_q)`` and
+    ``u = Q(qn) v``; ``layer_forward_rows``: the attention of
+    :mod:`qsv_pyg.nn.triton_kernel` with ``beta = exp(log_beta)``, then
+    ``out = concat_h W_h^T z^h + h_root + b``.
+backward (6)
+    ``layer_backward_rows``: ``gz = W_h g`` (stored for pass B), the softmax
+    backward, and the rows of one buffer ``gh`` ``[N, 4H + HF + H]``: the output
+    gradient itself (the root term's and bias's) and d log beta per target;
+    ``layer_backward_cols``: d v and the raw quaternions' gradient (through the
+    normalisation) into ``gh``'s first ``4H`` columns; then ``gh.sum(0)`` (the
+    quaternion bias, the bias and log beta at once), ``bmm`` (d W_h),
+    ``addmm`` (d x = d v + gh W) and ``mm`` (d [W_q; W_r]).
+
+No atomics: deterministic. float32 and float64.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .triton_kernel import (
+    Config,
+    _check_graph,
+    _kernels,
+    _on_device,
+    _pow2,
+    _Setup,
+    candidates,
+    degree_bucket,
+    launch_tuned,
+    mode,
+    num_warps_for,
+    tuning_key,
+)
+
+#: Rows (node, head) per program of ``layer_rotate_rows`` (times the blocks).
+ROTATE_BLOCKS = 256
+#: The largest projection tile ``[BH, BM, BF]`` (values) a row kernel holds:
+#: wider layers take the composed path (:func:`fits`).
+MAX_PROJECT_TILE = 8192
+
+
+def _setup(x: Tensor, heads: int) -> _Setup:
+    n, width = x.shape
+    return _Setup(x.view(n, heads, width // (4 * heads), 4), x.new_empty(0, heads, 4))
+
+
+def fits(x: Tensor, heads: int, out_channels: int) -> bool:
+    """Whether the projection tile of the layer's kernels stays within
+    :data:`MAX_PROJECT_TILE` values."""
+    s = _setup(x[:0], heads)
+    return s.BH * s.BM * _pow2(out_channels) <= MAX_PROJECT_TILE
+
+
+def _interpret(t: Tensor) -> bool:
+    return t.device.type != "cuda" or mode() == "interpret"
+
+
+@_on_device
+def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
+            log_beta: Tensor, rowptr: Tensor, col: Tensor, eps: float):
+    """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]``, the
+    weights ``[E, H]`` (target-sorted order) and what the backward reads."""
+    import triton.language as tl
+    N, width = x.shape
+    H, C, Fo = weight.shape
+    s = _setup(x, H)
+    E = col.numel()
+    _check_graph(rowptr, col, N)
+    h = torch.mm(x, w_cat.t())  # [N, 4H + H F]: raw quaternions, root term
+    qn = x.new_empty(N, H, 4)
+    v = x.view(N, H, s.M, 4)
+    u, y, z = torch.empty_like(v), torch.empty_like(v), torch.empty_like(v)
+    alpha = x.new_empty(E, H)
+    dot = x.new_empty(E, H)
+    out = x.new_empty(N, H * Fo)
+    if N:
+        rows, BR = N * H, max(1, ROTATE_BLOCKS // s.BM)
+        s.k.layer_rotate_rows[(-(-rows // BR), )](
+            v, h, b_quat, qn, u, rows, H, s.M, h.stride(0), EPS=float(eps), ACC=s.acc, BR=BR,
+            BM=s.BM, num_warps=num_warps_for(BR * s.BM))
+        BF = _pow2(Fo)
+
+        def launch(c: Config):
+            s.k.layer_forward_rows[(-(-N // c.TARGETS), s.head_tiles)](
+                u, qn, log_beta, rowptr, col, y, z, alpha, dot, weight, h, h.stride(0), 4 * H,
+                bias, out, H, s.M, Fo, N, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF,
+                TARGETS=c.TARGETS, num_warps=c.warps)
+        degree = degree_bucket(E, N)
+        launch_tuned(tuning_key("layer_forward_rows", x.device, x.dtype, s, degree,
+                                {"F": Fo}), candidates(s, degree), launch, x.device)
+    return out, alpha, h, qn, u, y, z
+
+
+@_on_device
+def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Tensor,
+             log_beta: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+             row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
+             eps: float):
+    """``(gv, gh)``: d v ``[N, H M 4]`` (empty unless ``need_v``) and the buffer
+    ``gh`` ``[N, 4H + HF + H]`` (d h_q through the normalisation, the output
+    gradient, d log beta per target), whose row sum and matmuls the caller takes."""
+    N, width = x.shape
+    H, C, Fo = weight.shape
+    s = _setup(x, H)
+    E = col.numel()
+    g = g.contiguous()
+    galpha = None if galpha is None else galpha.contiguous()
+    gh = x.new_empty(N, 4 * H + H * Fo + H)
+    gz = torch.empty_like(u)
+    gv = torch.empty_like(u) if need_v else x.new_empty(0)
+    ga_buf, gd = x.new_empty(E, H), x.new_empty(E, H)
+    gqd, gkd, gks = (x.new_empty(N, H, 4) for _ in range(3))
+    if N:
+        BF = _pow2(Fo)
+        degree = degree_bucket(E, N)
+
+        def launch_a(c: Config):
+            s.k.layer_backward_rows[(-(-N // c.TARGETS), s.head_tiles)](
+                g, g if galpha is None else galpha, weight, u, qn, log_beta, rowptr, col, alpha,
+                y, ga_buf, gd, gz, gh, gh.stride(0), 4 * H, 4 * H + H * Fo, gqd, gkd, H, s.M,
+                Fo, N, HAS_GALPHA=galpha is not None, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM,
+                BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
+        launch_tuned(tuning_key("layer_backward_rows", x.device, x.dtype, s, degree,
+                                {"F": Fo, "HAS_GALPHA": galpha is not None}),
+                     candidates(s, degree), launch_a, x.device)
+
+        def launch_b(c: Config):
+            s.k.layer_backward_cols[(-(-N // c.TARGETS), s.head_tiles)](
+                gz, x, qn, alpha, gd, rowptr_t, perm_t, row_t, gv if need_v else gz, gh,
+                gh.stride(0), gks,
+                gqd, gkd, h, b_quat, h.stride(0), H, s.M, N, NEED_V=need_v, EPS=float(eps),
+                ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, TARGETS=c.TARGETS,
+                num_warps=c.warps)
+        launch_tuned(tuning_key("layer_backward_cols", x.device, x.dtype, s, degree,
+                                {"NEED_V": need_v}), candidates(s, degree), launch_b, x.device)
+    return gv, gh

@@ -1,0 +1,214 @@
+"""``qsv_pyg::attend_layer``: QSVConv's default layer as one operator on the Triton
+path (issue 32: at most 10 launches per forward+backward,
+``tests/test_launch_count.py``), run here through Triton's interpreter and
+checked against the composed path (``QSV_PYG_FUSED_LAYER=0``: the operator
+``qsv_pyg::attend`` and the layer's own ops), which the other tests check
+against the literal formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qsv_pyg.nn import QSVConv  # noqa: E402
+from qsv_pyg.nn import fused_layer, triton_kernel  # noqa: E402
+from qsv_pyg.nn import triton_tuning as tt  # noqa: E402
+from qsv_pyg.nn.csr import build_csr  # noqa: E402
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("QSV_PYG_TRITON", "interpret")
+    monkeypatch.delenv(fused_layer.FUSED_LAYER_ENV, raising=False)
+    return monkeypatch
+
+
+def _graph(n: int, e: int, seed: int = 0) -> torch.Tensor:
+    """A random graph with variable degrees, repeated edges and (for n >> e /
+    n) isolated targets and sources."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n, (2, e), generator=gen)
+
+
+def _layer(channels=16, out=3, heads=2, dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    layer = QSVConv(channels, out, heads=heads, check_finite=False, **kw).to(dtype)
+    with torch.no_grad():  # away from the near-identity start: a real rotation
+        layer.lin_quat.weight.normal_()
+        layer.lin_quat.bias.normal_()
+        layer.bias.normal_()
+        layer.log_beta.normal_()
+    return layer
+
+
+def _step(layer, x, edge_index, alpha_weight=None):
+    """Output, weights and every gradient of one forward+backward."""
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    out, (_, alpha) = layer(x, edge_index, return_attention_weights=True)
+    gen = torch.Generator().manual_seed(5)
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum()
+    if alpha_weight is not None:
+        loss = loss + (alpha * alpha_weight).sum()
+    loss.backward()
+    grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    return out.detach(), alpha.detach(), grads
+
+
+def _compare(layer, x, edge_index, monkeypatch, alpha_weight=None, tol=1e-10):
+    calls = triton_kernel.CALLS["forward"]
+    assert layer.fused_layer_reason(x, edge_index) is None
+    fused = _step(layer, x, edge_index, alpha_weight)
+    assert triton_kernel.CALLS["forward"] == calls  # not the composed path's operator
+    monkeypatch.setenv(fused_layer.FUSED_LAYER_ENV, "0")
+    assert layer.fused_layer_reason(x, edge_index) == f"{fused_layer.FUSED_LAYER_ENV}=0"
+    composed = _step(layer, x, edge_index, alpha_weight)
+    monkeypatch.delenv(fused_layer.FUSED_LAYER_ENV)
+    assert triton_kernel.CALLS["forward"] == calls + 1
+    for a, b in zip(fused[:2], composed[:2]):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert fused[2].keys() == composed[2].keys()
+    for name in fused[2]:
+        assert fused[2][name] is not None, name
+        torch.testing.assert_close(fused[2][name], composed[2][name], atol=tol, rtol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("heads,channels,out", [(2, 16, 3), (4, 16, 4), (1, 8, 5)])
+def test_the_one_operator_is_the_composed_layer(interpret, heads, channels, out):
+    layer = _layer(channels, out, heads)
+    x = torch.randn(29, channels, dtype=torch.float64)
+    _compare(layer, x, _graph(29, 90), interpret)
+
+
+def test_weights_gradient_and_isolated_nodes(interpret):
+    """A loss on the returned weights too (their gradient enters the softmax
+    backward), on a graph where most nodes have no incoming edge."""
+    layer = _layer()
+    x = torch.randn(40, 16, dtype=torch.float64)
+    edge_index = _graph(40, 12, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(12, 2, generator=gen, dtype=torch.float64)
+    _compare(layer, x, edge_index, interpret, alpha_weight=weight)
+
+
+def test_float32_and_tuned_configurations(interpret):
+    """float32, and every launch configuration the autotune tries (several rows
+    per program, shorter steps, more warps), as on a GPU."""
+    interpret.setenv(tt.AUTOTUNE_ENV, "1")
+    interpret.setattr(tt, "TUNED", {})
+    interpret.setattr(tt, "TIMINGS", {})
+    interpret.setattr(tt, "TUNE_REPEATS", 0)  # each candidate launched once, untimed
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(12, 16)
+    _compare(layer, x, _graph(12, 40, seed=1), interpret, tol=2e-5)
+    tried = {key[0]: len(t) for key, t in tt.TIMINGS.items()}
+    assert {"layer_forward_rows", "layer_backward_rows", "layer_backward_cols"} <= set(tried)
+    assert min(tried.values()) >= 3
+
+
+def test_second_derivatives(interpret):
+    """create_graph=True: the backward is autograd of the composition, so a
+    gradient penalty matches the composed path's."""
+    layer = _layer()
+    x0 = torch.randn(17, 16, dtype=torch.float64)
+    edge_index = _graph(17, 50, seed=2)
+
+    def penalty():
+        x = x0.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = layer(x, edge_index)
+        (gx, ) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    fused = penalty()
+    interpret.setenv(fused_layer.FUSED_LAYER_ENV, "0")
+    composed = penalty()
+    for a, b in zip(fused, composed):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_bit_identical_reruns(interpret):
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(25, 16)
+    edge_index = _graph(25, 80)
+    first, second = _step(layer, x, edge_index), _step(layer, x, edge_index)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(torch.equal(first[2][n], second[2][n]) for n in first[2])
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(quat_source="given"), "quat_source='given'"),
+    (dict(routing="uniform"), "routing or transport other than learned / sandwich"),
+    (dict(edge_dim=3), "input projection or edge terms"),
+    (dict(concat=False), "concat=False, no root weight or no bias"),
+    (dict(bias=False), "concat=False, no root weight or no bias"),
+    (dict(add_self_loops=True), "add_self_loops=True"),
+    (dict(dropout=0.5), "attention dropout"),
+    (dict(check_finite=True), "check_finite (checked on the composed path)"),
+])
+def test_what_the_one_operator_does_not_take(interpret, change, reason):
+    kw = dict(channels=16, out=3, heads=2, dtype=torch.float32)
+    layer = _layer(**kw) if "quat_source" not in change else QSVConv(
+        16, 3, heads=2, check_finite=False, quat_source="given")
+    if "quat_source" not in change:
+        torch.manual_seed(0)
+        layer = QSVConv(16, 3, heads=2, **{"check_finite": False, **change})
+    x = torch.randn(10, 16)
+    assert layer.fused_layer_reason(x, _graph(10, 30)) == reason
+
+
+def test_where_the_one_operator_does_not_apply(interpret):
+    layer = _layer(dtype=torch.float32)
+    x, edge_index = torch.randn(10, 16), _graph(10, 30)
+    assert layer.fused_layer_reason(x.double(), edge_index) == \
+        "parameters of another dtype than the features"
+    assert layer.fused_layer_reason((x, x), edge_index) == "bipartite input"
+    assert layer.fused_layer_reason(x.view(2, 5, 16), edge_index) == "batched [B, N, C] input"
+    assert layer.fused_layer_reason(torch.randn(10, 12), edge_index).startswith("no nodes")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.fused_layer_reason(x, edge_index).startswith("autocast")
+    interpret.setenv("QSV_PYG_TRITON", "0")
+    assert layer.fused_layer_reason(x, edge_index) == "not on the Triton path"
+
+
+def test_the_operator_without_triton_is_the_composition(monkeypatch):
+    """Off the Triton path (here the CPU) the registered operator computes the
+    composition itself; ``opcheck`` checks its schema, fake tensor and autograd
+    registration there."""
+    monkeypatch.setenv("QSV_PYG_TRITON", "0")
+    torch.manual_seed(0)
+    n, heads, m, f = 11, 2, 2, 3
+    x = torch.randn(n, 4 * heads * m, dtype=torch.float64, requires_grad=True)
+    graph = build_csr(_graph(n, 30), n, n)
+    params = [torch.randn(4 * heads + heads * f, 4 * heads * m, dtype=torch.float64),
+              torch.randn(4 * heads, dtype=torch.float64),
+              torch.randn(heads * f, dtype=torch.float64),
+              torch.randn(heads, 4 * m, f, dtype=torch.float64),
+              torch.randn(heads, dtype=torch.float64)]
+    params = [p.requires_grad_(True) for p in params]
+    args = (x, *params, graph.rowptr, graph.col, graph.row, graph.rowptr_t, graph.perm_t,
+            graph.row_t)
+    torch.library.opcheck(fused_layer.attend_layer, args, test_utils=(
+        "test_schema", "test_autograd_registration", "test_faketensor"))
+    out, alpha, *_ = fused_layer.attend_layer(*args)
+    ref_out, ref_alpha = fused_layer.reference(*args)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(alpha, ref_alpha)
+
+
+def test_opcheck_on_the_triton_path(interpret):
+    torch.manual_seed(0)
+    n, heads, m, f = 9, 2, 1, 2
+    x = torch.randn(n, 4 * heads * m, requires_grad=True)
+    graph = build_csr(_graph(n, 20), n, n)
+    params = [torch.randn(4 * heads + heads * f, 4 * heads * m), torch.randn(4 * heads),
+              torch.randn(heads * f), torch.randn(heads, 4 * m, f), torch.randn(heads)]
+    params = [p.requires_grad_(True) for p in params]
+    torch.library.opcheck(fused_layer.attend_layer,
+                          (x, *params, graph.rowptr, graph.col, graph.row, graph.rowptr_t,
+                           graph.perm_t, graph.row_t),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
