@@ -522,7 +522,8 @@ def test_kernels_compile_for_a_gpu():
     Hopper (sm_90) binary, as on a GPU, without one: bfloat16 storage of the
     features (quaternions, keys, β and weights float32), int32 indices, every
     feature on, two rows per program (the other flag combinations compile too), the gradient sums of
-    shared inputs, the unit-quaternion kernels."""
+    shared inputs, the unit-quaternion kernels, and the layer's fused kernels
+    (float32, with the per-head projection)."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -535,6 +536,7 @@ def test_kernels_compile_for_a_gpu():
     strides = dict(gz_sn="i32", gz_sh="i32")
     rows = dict(N="i32")  # the row count: programs own TARGETS rows each
     blocks = dict(ACC=tl.float32, BE=16, BH=2, BM=8, BD=4, TARGETS=2)
+    layer_dims = dict(H="i32", M="i32", F="i32", N="i32")
     specs = [
         (k.rotate_rows, dict(v=f, q=f, out=f, R="i32", M="i32"),
          dict(TRANSPOSE=True, ACC=tl.float32, BR=32, BM=8)),
@@ -556,6 +558,22 @@ def test_kernels_compile_for_a_gpu():
         (k.unit_rows, dict(q=a, out=a, R="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=256)),
         (k.unit_rows_backward, dict(q=a, g=a, out=a, R="i32"),
          dict(EPS=1e-8, ACC=tl.float32, BR=256)),
+        # the layer's fused kernels (qsv_pyg.nn.fused_layer: float32 / float64 only)
+        (k.layer_rotate_rows, dict(v=a, h_raw=a, bq=a, qn=a, u=a, R="i32", H="i32", M="i32",
+                                   h_sn="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=64, BM=4)),
+        (k.layer_forward_rows, dict(src=a, qn=a, log_beta=a, rowptr=i, col=i, y_out=a,
+                                    z_out=a, alpha_out=a, dot_out=a, w=a, h_raw=a,
+                                    h_sn="i32", root_off="i32", bias=a, out=a, **layer_dims),
+         dict(BF=16, **blocks)),
+        (k.layer_backward_rows, dict(g=a, galpha=a, w=a, src=a, qn=a, log_beta=a, rowptr=i,
+                                     col=i, alpha=a, y=a, ga_buf=a, gd=a, gz=a, gh=a,
+                                     gh_sn="i32", root_off="i32", beta_off="i32", gqd=a,
+                                     gkd=a, **layer_dims),
+         dict(HAS_GALPHA=True, BF=16, **blocks)),
+        (k.layer_backward_cols, dict(gz=a, v=a, qn=a, alpha=a, gd=a, rowptr_t=i, perm_t=i,
+                                     row_t=i, gv=a, gh=a, gh_sn="i32", gks=a, gqd=a, gkd=a,
+                                     h_raw=a, bq=a, h_sn="i32", H="i32", M="i32", N="i32"),
+         dict(NEED_V=True, EPS=1e-8, **blocks)),
     ]
     for fn, sig, consts in specs:
         sig = {**sig, **{name: "constexpr" for name in consts}}

@@ -268,7 +268,7 @@ def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, 
 @triton.jit
 def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
                   ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, gbp_sn,
-                  g, w, gh, gh_sn, root_off, F, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
+                  gout, w, gh, gh_sn, root_off, F, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
                   HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr,
                   PROJECT: tl.constexpr, LOG_BETA: tl.constexpr, ACC: tl.constexpr,
@@ -287,7 +287,7 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
     # gz may be strided over nodes and heads (the transposed gradient of the
     # layer's per-head projection): blocks of four contiguous within a row
     if PROJECT:  # gz = W_h g_i from the layer's output gradient (stored for pass B)
-        g0, g1, g2, g3 = _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off,
+        g0, g1, g2, g3 = _project_back(i, offs_h, hm, offs_m, mm, gout, w, gh, gh_sn, root_off,
                                        H, M, F, ACC, BF)
         _store4(gz, off_i, mask_i, g0, g1, g2, g3)
     else:
