@@ -42,7 +42,8 @@ from torch_geometric.nn import GATConv, GATv2Conv, SimpleConv, TransformerConv  
 from qsv_pyg.geometry import fibonacci_sphere, knn_within  # noqa: E402
 from qsv_pyg.nn import QSVConv  # noqa: E402
 
-LAYERS = ("qsv", "qsv-field", "gat", "gatv2", "transformer", "simple-sum", "spmm")
+LAYERS = ("qsv", "qsv-composed", "qsv-field", "gat", "gatv2", "transformer", "simple-sum",
+          "spmm")
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAPHS = ("knn", "random", "s2")
 S2_LAYERS = ("qsv", "qsv-field", "nattn-s2", "spmm")
@@ -90,19 +91,44 @@ class SpMM(torch.nn.Module):
 
 #: The layers that take edge features (``--edge-dim``): built with ``edge_dim``
 #: and called with ``edge_attr``; the others run without them.
-EDGE_LAYERS = ("qsv", "qsv-field", "gat", "gatv2", "transformer")
+EDGE_LAYERS = ("qsv", "qsv-composed", "qsv-field", "gat", "gatv2", "transformer")
+
+
+class Composed(torch.nn.Module):
+    """A QSVConv whose calls compose ``qsv_pyg::attend`` with the layer's own ops
+    (``QSV_PYG_FUSED_LAYER=0`` while it runs): on the Triton path, the same layer
+    as ``"qsv"`` without the one-operator layer (``qsv_pyg.nn.fused_layer``), so
+    one run measures what that operator gains; elsewhere the same as ``"qsv"``."""
+
+    def __init__(self, layer: QSVConv):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        from qsv_pyg.nn.fused_layer import FUSED_LAYER_ENV
+        old = os.environ.get(FUSED_LAYER_ENV)
+        os.environ[FUSED_LAYER_ENV] = "0"
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            if old is None:
+                del os.environ[FUSED_LAYER_ENV]
+            else:
+                os.environ[FUSED_LAYER_ENV] = old
 
 
 def make_layer(name: str, channels: int, heads: int,
                edge_dim: Optional[int] = None) -> torch.nn.Module:
     out = channels // heads
     edge = {"edge_dim": edge_dim} if edge_dim and name in EDGE_LAYERS else {}
-    if name in ("qsv", "qsv-field"):
-        # "qsv": quaternions from the features (the drop-in layer);
-        # "qsv-field": quaternions given per node, as QSVNet's learned field.
-        return QSVConv(channels, out, heads=heads,
-                       quat_source="features" if name == "qsv" else "given",
-                       check_finite=False, **edge)
+    if name in ("qsv", "qsv-composed", "qsv-field"):
+        # "qsv": quaternions from the features (the drop-in layer); "qsv-composed":
+        # the same, composed (class Composed); "qsv-field": quaternions given per
+        # node, as QSVNet's learned field.
+        layer = QSVConv(channels, out, heads=heads,
+                        quat_source="given" if name == "qsv-field" else "features",
+                        check_finite=False, **edge)
+        return Composed(layer) if name == "qsv-composed" else layer
     if name == "gat":
         return GATConv(channels, out, heads=heads, add_self_loops=False, **edge)
     if name == "gatv2":

@@ -45,7 +45,7 @@ from qsv_pyg.nn import triton_kernel as tk  # noqa: E402
 from qsv_pyg.nn import triton_tuning as tt  # noqa: E402
 
 #: bench_conv.py's QSV layers, channels and heads as run_gpu.sh runs them.
-CONV_LAYERS = ("qsv", "qsv-field")
+CONV_LAYERS = ("qsv", "qsv-composed", "qsv-field")
 CONV_CHANNELS, CONV_HEADS = 64, 4
 #: bench_conv.py's neighbour counts in run_gpu.sh: the row kernels' launch
 #: configurations are tuned per mean degree (issue 32 item 8d), so the warm-up

@@ -91,7 +91,8 @@ step() {
 }
 
 conv=(benchmarks/bench_conv.py --device cuda --graphs knn random --sizes 16384 65536
-      --ks 8 16 --layers qsv qsv-field gat transformer --repeats 5 --min-time 0.05)
+      --ks 8 16 --layers qsv qsv-composed qsv-field gat transformer --repeats 5
+      --min-time 0.05)
 # Most informative first: a run cut short by its limit keeps the models it finished
 # (the same list and batch as benchmarks/gpu_warmup.py's TRAIN_MODELS/TRAIN_BATCH).
 models=(qsv attention-gat attention-transformer resnet20 lattice attention-gatv2)

@@ -212,3 +212,37 @@ def test_opcheck_on_the_triton_path(interpret):
                            graph.perm_t, graph.row_t),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
+
+
+def test_the_benchmarks_composed_layer_composes(interpret):
+    """bench_conv's ``"qsv-composed"`` is ``"qsv"`` without the one operator (one
+    GPU run then measures what it gains), with the same parameters and output."""
+    from conftest import load_benchmark
+    make_layer = load_benchmark("bench_conv").make_layer
+    torch.manual_seed(0)
+    fused = make_layer("qsv", 16, 2)
+    composed = make_layer("qsv-composed", 16, 2)
+    composed.layer.load_state_dict(fused.state_dict())
+    x, edge_index = torch.randn(10, 16), _graph(10, 30)
+    calls = triton_kernel.CALLS["forward"]
+    out = fused(x, edge_index)
+    assert triton_kernel.CALLS["forward"] == calls
+    torch.testing.assert_close(composed(x, edge_index), out, atol=1e-5, rtol=1e-5)
+    assert triton_kernel.CALLS["forward"] == calls + 1
+    assert fused_layer.FUSED_LAYER_ENV not in __import__("os").environ
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_one_operator_on_a_gpu(monkeypatch, dtype):
+    """The compiled kernels on a GPU against the composed path (``pytest -m
+    cuda``: run_gpu.sh's cuda-tests step), one launch configuration (no tuning:
+    a cold cache compiles each kernel once per dtype)."""
+    monkeypatch.setenv(tt.AUTOTUNE_ENV, "0")
+    monkeypatch.delenv(fused_layer.FUSED_LAYER_ENV, raising=False)
+    layer = _layer(channels=64, out=16, heads=4, dtype=dtype).cuda()
+    x = torch.randn(300, 64, dtype=dtype).cuda()
+    gen = torch.Generator().manual_seed(4)
+    edge_index = torch.randint(0, 300, (2, 3000), generator=gen).cuda()
+    _compare(layer, x, edge_index, monkeypatch,
+             tol=1e-9 if dtype == torch.float64 else 1e-4)
