@@ -170,6 +170,11 @@ def test_where_the_one_operator_does_not_apply(interpret):
     assert layer.fused_layer_reason(torch.randn(10, 12), edge_index).startswith("no nodes")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer.fused_layer_reason(x, edge_index).startswith("autocast")
+    wide = QSVConv(16, 1024, heads=1, check_finite=False)  # a [1, 4, 1024] tile fits
+    assert wide.fused_layer_reason(x, edge_index) is None
+    wider = QSVConv(64, 2048, heads=1, check_finite=False)  # [1, 16, 2048] does not
+    assert wider.fused_layer_reason(torch.randn(10, 64), edge_index) == \
+        "the projection tile is too wide for one program"
     interpret.setenv("QSV_PYG_TRITON", "0")
     assert layer.fused_layer_reason(x, edge_index) == "not on the Triton path"
 

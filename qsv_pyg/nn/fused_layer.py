@@ -224,7 +224,7 @@ def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
     return out, alpha
 
 
-def applies(x: Tensor, heads: int, out_channels: int) -> Optional[str]:
+def unavailable(x: Tensor) -> Optional[str]:
     """Why the operator cannot take features like ``x`` (None: it can): it runs
     float32/float64 features on the Triton path outside autocast."""
     if not enabled():
@@ -235,6 +235,11 @@ def applies(x: Tensor, heads: int, out_channels: int) -> Optional[str]:
         return f"{x.dtype} features (float32 / float64 only)"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast (the composed path keeps half-precision storage)"
+    return None
+
+
+def too_wide(x: Tensor, heads: int, out_channels: int) -> Optional[str]:
+    """Why the layer's projection does not fit the kernels (None: it does)."""
     if not triton_layer.fits(x, heads, out_channels):
         return "the projection tile is too wide for one program"
     return None

@@ -160,9 +160,13 @@ class FusedPathMixin:
         Everything else composes ``qsv_pyg::attend`` with the layer's own ops
         (the same result)."""
         from torch.nn.parameter import UninitializedParameter
+        if not isinstance(x, Tensor):
+            return "bipartite input"
+        why = fused_layer.unavailable(x)  # first: off the Triton path this is all
+        if why is not None:
+            return why
         checks = (
-            (not isinstance(x, Tensor), "bipartite input"),
-            (isinstance(x, Tensor) and x.dim() != 2, "batched [B, N, C] input"),
+            (x.dim() != 2, "batched [B, N, C] input"),
             (quat is not None or pos is not None or size is not None,
              "quat, pos or size given"),
             (self.quat_source not in ("auto", "features") or self.lin_quat is None,
@@ -193,7 +197,7 @@ class FusedPathMixin:
         path, why = self.path_reason(x, None, edge_index)
         if path != "attend_shared":
             return why
-        return fused_layer.applies(x, self.heads, self.out_channels)
+        return fused_layer.too_wide(x, self.heads, self.out_channels)
 
     def _attend_layer(self, x: Tensor, edge_index: Tensor, want_alpha: bool):
         """The whole layer as ``qsv_pyg::attend_layer`` (see
