@@ -31,14 +31,12 @@ from torch import Tensor
 from .triton_kernel import (
     Config,
     _check_graph,
-    _kernels,
     _on_device,
     _pow2,
     _Setup,
     candidates,
     degree_bucket,
     launch_tuned,
-    mode,
     num_warps_for,
     tuning_key,
 )
@@ -62,16 +60,11 @@ def fits(x: Tensor, heads: int, out_channels: int) -> bool:
     return s.BH * s.BM * _pow2(out_channels) <= MAX_PROJECT_TILE
 
 
-def _interpret(t: Tensor) -> bool:
-    return t.device.type != "cuda" or mode() == "interpret"
-
-
 @_on_device
 def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
             log_beta: Tensor, rowptr: Tensor, col: Tensor, eps: float):
     """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]``, the
     weights ``[E, H]`` (target-sorted order) and what the backward reads."""
-    import triton.language as tl
     N, width = x.shape
     H, C, Fo = weight.shape
     s = _setup(x, H)
