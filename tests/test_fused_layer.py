@@ -251,3 +251,28 @@ def test_the_one_operator_on_a_gpu(monkeypatch, dtype):
     edge_index = torch.randint(0, 300, (2, 3000), generator=gen).cuda()
     _compare(layer, x, edge_index, monkeypatch,
              tol=1e-9 if dtype == torch.float64 else 1e-4)
+
+
+def test_torch_compile_keeps_the_one_operator(interpret):
+    """Under torch.compile (aot_eager: the operators' fake kernels trace the
+    forward and the backward) the layer gives the eager result and gradient."""
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(12, 16, requires_grad=True)
+    edge_index = _graph(12, 40)
+    eager = layer(x, edge_index)
+    (g_eager, ) = torch.autograd.grad(eager.sum(), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    out = compiled(x, edge_index)
+    (g_out, ) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(g_out, g_eager)
+    graphs = []
+
+    def record(gm, inputs):  # the traced graphs hold the operator itself
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend=record)(x, edge_index)
+    assert any("attend_layer" in code for code in graphs), graphs
