@@ -95,6 +95,11 @@ class QSVConv(QuatSourceMixin, EdgeFeaturesMixin, FusedPathMixin, MessagePathMix
     (:func:`~qsv_pyg.nn.qsv_kernel.qsv_attend`; C++ on CPU, Triton on CUDA),
     which :func:`torch.compile` and autocast keep; attention dropout runs
     there too, as a per-edge mask the operator multiplies into the weights.
+    On the Triton path the default layer (feature quaternions, learned
+    routing, root weight and bias, 2-D float32/float64 input) runs as one
+    operator, projection, root term and bias included
+    (:mod:`qsv_pyg.nn.fused_layer`: 10 kernel launches per forward+backward);
+    :meth:`fused_layer_reason` says why a call composes instead.
     Explainers, message-passing hooks and sparse adjacencies use PyG's message
     passing instead.
 
