@@ -43,7 +43,9 @@ def _layer(channels=16, out=3, heads=2, dtype=torch.float64, **kw):
 
 
 def _step(layer, x, edge_index, alpha_weight=None):
-    """Output, weights and every gradient of one forward+backward."""
+    """Output, weights and every gradient of one forward+backward (the same
+    random state each time: attention dropout draws the same mask)."""
+    torch.manual_seed(7)
     x = x.clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     out, (_, alpha) = layer(x, edge_index, return_attention_weights=True)
@@ -91,6 +93,19 @@ def test_weights_gradient_and_isolated_nodes(interpret):
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(12, 2, generator=gen, dtype=torch.float64)
     _compare(layer, x, edge_index, interpret, alpha_weight=weight)
+
+
+def test_attention_dropout(interpret):
+    """Attention dropout in training: the mask as the operator's per-edge scale
+    (the returned weights are the ones used, as the composed path returns them)."""
+    layer = _layer(dropout=0.4)
+    layer.train()
+    x = torch.randn(21, 16, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    _compare(layer, x, _graph(21, 70, seed=4), interpret,
+             alpha_weight=torch.randn(70, 2, generator=gen, dtype=torch.float64))
+    _, alpha, _ = _step(layer, x, _graph(21, 70, seed=4))
+    assert (alpha == 0).any()  # some weights were dropped
 
 
 def test_float32_and_tuned_configurations(interpret):
@@ -146,7 +161,6 @@ def test_bit_identical_reruns(interpret):
     (dict(concat=False), "concat=False, no root weight or no bias"),
     (dict(bias=False), "concat=False, no root weight or no bias"),
     (dict(add_self_loops=True), "add_self_loops=True"),
-    (dict(dropout=0.5), "attention dropout"),
     (dict(check_finite=True), "check_finite (checked on the composed path)"),
 ])
 def test_what_the_one_operator_does_not_take(interpret, change, reason):
@@ -194,8 +208,9 @@ def test_the_operator_without_triton_is_the_composition(monkeypatch):
               torch.randn(heads, 4 * m, f, dtype=torch.float64),
               torch.randn(heads, dtype=torch.float64)]
     params = [p.requires_grad_(True) for p in params]
-    args = (x, *params, graph.rowptr, graph.col, graph.row, graph.rowptr_t, graph.perm_t,
-            graph.row_t)
+    scale = torch.rand(30, heads, dtype=torch.float64)  # attention dropout's scale
+    args = (x, *params, scale, graph.rowptr, graph.col, graph.row, graph.rowptr_t,
+            graph.perm_t, graph.row_t)
     torch.library.opcheck(fused_layer.attend_layer, args, test_utils=(
         "test_schema", "test_autograd_registration", "test_faketensor"))
     out, alpha, *_ = fused_layer.attend_layer(*args)
@@ -213,8 +228,8 @@ def test_opcheck_on_the_triton_path(interpret):
               torch.randn(heads * f), torch.randn(heads, 4 * m, f), torch.randn(heads)]
     params = [p.requires_grad_(True) for p in params]
     torch.library.opcheck(fused_layer.attend_layer,
-                          (x, *params, graph.rowptr, graph.col, graph.row, graph.rowptr_t,
-                           graph.perm_t, graph.row_t),
+                          (x, *params, torch.empty(0, heads), graph.rowptr, graph.col,
+                           graph.row, graph.rowptr_t, graph.perm_t, graph.row_t),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
 

@@ -647,27 +647,30 @@ def _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off, H, M, F,
 
 
 @triton.jit
-def layer_forward_rows(src, qn, log_beta, rowptr, col, y_out, z_out, alpha_out, dot_out, w,
-                       h_raw, h_sn, root_off, bias, out, H, M, F, N, ACC: tl.constexpr,
-                       BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-                       BD: tl.constexpr, BF: tl.constexpr, TARGETS: tl.constexpr):
+def layer_forward_rows(src, qn, log_beta, scale, rowptr, col, y_out, z_out, alpha_out, dot_out,
+                       w, h_raw, h_sn, root_off, bias, out, H, M, F, N,
+                       HAS_SCALE: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                       BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                       BF: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`forward_rows` with learned routing on the unit quaternions ``qn``
-    (keys and transport of both ends; ``beta = exp(log_beta)``), then the
+    (keys and transport of both ends; ``beta = exp(log_beta)``; each weight
+    times the edge's ``scale`` when ``HAS_SCALE``: attention dropout), then the
     projection, root term and bias of :func:`_project_row`: the layer's output."""
     for t in tl.static_range(TARGETS):
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
-        z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qn, qn, qn, log_beta, log_beta,
+        z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qn, qn, qn, log_beta, scale,
                                       log_beta, rowptr, col, y_out, z_out, alpha_out, dot_out,
-                                      H, M, 4, False, True, True, False, False, True, ACC, BE,
-                                      BH, BM, BD)
+                                      H, M, 4, False, True, True, HAS_SCALE, False, True, ACC,
+                                      BE, BH, BM, BD)
         _project_row(i, i < N, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
                      ACC, BH, BM, BF)
 
 
 @triton.jit
-def layer_backward_rows(g, galpha, w, src, qn, log_beta, rowptr, col, alpha, y, ga_buf, gd,
-                        gz, gh, gh_sn, root_off, beta_off, gqd, gkd, H, M, F, N,
-                        HAS_GALPHA: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+def layer_backward_rows(g, galpha, w, src, qn, log_beta, scale, rowptr, col, alpha, y, ga_buf,
+                        gd, gz, gh, gh_sn, root_off, beta_off, gqd, gkd, H, M, F, N,
+                        HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        ACC: tl.constexpr, BE: tl.constexpr,
                         BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                         BF: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`backward_rows` of :func:`layer_forward_rows`: ``gz = W_h g`` from the
@@ -677,23 +680,23 @@ def layer_backward_rows(g, galpha, w, src, qn, log_beta, rowptr, col, alpha, y, 
     beta's gradients)."""
     for t in tl.static_range(TARGETS):
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
-        _backward_row(i, i < N, N, gz, galpha, src, qn, qn, qn, log_beta, log_beta, rowptr,
+        _backward_row(i, i < N, N, gz, galpha, src, qn, qn, qn, log_beta, scale, rowptr,
                       col, alpha, y, ga_buf, gd, ga_buf, gh + beta_off, gqd, gkd, H, M, 4, 0,
                       0, gh_sn, g, w, gh, gh_sn, root_off, F, False, True, True, HAS_GALPHA,
-                      False, True, True, False, True, True, ACC, BE, BH, BM, BD, BF)
+                      HAS_SCALE, True, True, False, True, True, ACC, BE, BH, BM, BD, BF)
 
 
 @triton.jit
-def layer_backward_cols(gz, v, qn, alpha, gd, rowptr_t, perm_t, row_t, gv, gh, gh_sn, gks,
-                        gqd, gkd, h_raw, bq, h_sn, H, M, N, NEED_V: tl.constexpr, EPS: tl.constexpr,
-                        ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
+def layer_backward_cols(gz, v, qn, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gh, gh_sn,
+                        gks, gqd, gkd, h_raw, bq, h_sn, H, M, N, NEED_V: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
                         BM: tl.constexpr, BD: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`backward_cols` of the layer: d v and the summed gradient of the unit
     quaternions (transport and keys of both ends) taken back through the
     normalisation into the raw quaternions' columns of ``gh``."""
     for t in tl.static_range(TARGETS):
         j = tl.program_id(0).to(tl.int64) * TARGETS + t
-        _backward_col(j, j < N, N, gz, v, qn, qn, qn, alpha, alpha, gd, rowptr_t, perm_t,
-                      row_t, gv, gh, gks, gqd, gkd, H, M, 4, H * M * 4, M * 4, True, False,
+        _backward_col(j, j < N, N, gz, v, qn, qn, qn, alpha, scale, gd, rowptr_t, perm_t,
+                      row_t, gv, gh, gks, gqd, gkd, H, M, 4, H * M * 4, M * 4, True, HAS_SCALE,
                       True, NEED_V, True, True, True, True, True, ACC, BE, BH, BM, BD, h_raw,
                       bq, h_sn, gh_sn, True, EPS)

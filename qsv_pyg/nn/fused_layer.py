@@ -10,7 +10,7 @@ with the unit quaternions as transport and keys of both ends (learned routing,
 :math:`\beta = \exp(\log\beta)`): :class:`~qsv_pyg.nn.QSVConv`'s default layer
 on a homogeneous graph (feature quaternions, ``routing="learned"``,
 ``transport="sandwich"``, root weight, bias, ``concat=True``, no edge terms, no
-attention dropout, no padding).
+padding; attention dropout as a per-edge scale, as ``qsv_pyg::attend`` takes it).
 
 Why a second operator: on the Triton path the layer composed of
 ``qsv_pyg::attend`` and its own PyTorch ops launches 28 kernels per
@@ -48,17 +48,17 @@ def enabled() -> bool:
 
 
 def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
-              log_beta: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
-              perm_t: Tensor, row_t: Tensor) -> Tuple[Tensor, Tensor]:
+              log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
+              rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor) -> Tuple[Tensor, Tensor]:
     """The operator as the composition the layer runs (differentiable PyTorch ops
     and ``qsv_pyg::attend``): ``(out, alpha)``."""
     from .qsv_kernel import attend
     N = x.size(0)
     H, C, _ = weight.shape
     q = unit_quaternion(F.linear(x, w_cat[:4 * H], b_quat).view(N, H, 4), EPS)
-    z, alpha, _, _, _ = attend(x.reshape(N, H, C // 4, 4), q, q, q, q, log_beta.exp(),
-                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
-                               rowptr_t, perm_t, row_t, False, True)
+    z, alpha, _, _, _ = attend(x.reshape(N, H, C // 4, 4), q, q, q, q, log_beta.exp(), scale,
+                               x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
+                               False, True)
     proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
     return proj.reshape(N, -1) + F.linear(x, w_cat[4 * H:]) + bias, alpha
 
@@ -68,17 +68,20 @@ Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 @torch.library.custom_op("qsv_pyg::attend_layer", mutates_args=())
 def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
-                 log_beta: Tensor, rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
-                 perm_t: Tensor, row_t: Tensor) -> Tensors7:
+                 log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
+                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor) -> Tensors7:
     """``(out, alpha, h, qn, u, y, z)``: the output ``[N, H F]``, the weights
     ``[E, H]`` in the graph's target-sorted order, and what the backward reads
     (``h = x w_cat^T``, the unit quaternions, the rotated sources, the
     aggregate before and after the target's rotation). ``w_cat``: the
-    quaternion map's matrix over the root weight's, ``[4 H + H F, 4 H M]``."""
+    quaternion map's matrix over the root weight's, ``[4 H + H F, 4 H M]``;
+    ``scale``: the per-edge scale ``[E, H]`` of the aggregation in the graph's
+    target-sorted order (attention dropout's mask; a constant), or empty."""
     if triton_kernel.available(x):
         return triton_layer.forward(x.contiguous(), w_cat.contiguous(), b_quat.contiguous(),
                                     bias.contiguous(), weight.contiguous(),
-                                    log_beta.contiguous(), rowptr, col, EPS)
+                                    log_beta.contiguous(), scale.contiguous(), rowptr, col,
+                                    EPS)
     # Elsewhere (no Triton) the composition itself.
     from .qsv_kernel import attend
     N, H = x.size(0), weight.size(0)
@@ -86,15 +89,16 @@ def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight:
     h = torch.mm(x, w_cat.t())  # (as on the Triton path: the quaternion bias added after)
     qn = unit_quaternion(h[:, :4 * H].add(b_quat).view(N, H, 4), EPS)
     z, alpha, u, y, _ = attend(x.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
-                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
-                               rowptr_t, perm_t, row_t, False, True)
+                               scale, x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t,
+                               row_t, False, True)
     proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
     out = proj.reshape(N, -1) + h[:, 4 * H:] + bias
     return out, alpha, h, qn, u, y, z
 
 
 @attend_layer.register_fake
-def _(x, w_cat, b_quat, bias, weight, log_beta, rowptr, col, row, rowptr_t, perm_t, row_t):
+def _(x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
+      row_t):
     N = x.size(0)
     H, C, Fo = weight.shape
     E = col.size(0)
@@ -111,8 +115,9 @@ def _setup_context(ctx, inputs, output):
 
 @torch.library.custom_op("qsv_pyg::attend_layer_backward", mutates_args=())
 def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat: Tensor,
-                          b_quat: Tensor, weight: Tensor, log_beta: Tensor, rowptr: Tensor,
-                          col: Tensor, row: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+                          b_quat: Tensor, weight: Tensor, log_beta: Tensor, scale: Tensor,
+                          rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
+                          perm_t: Tensor,
                           row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
                           y: Tensor, need_v: bool) -> Tuple[Tensor, Tensor]:
     """``(gv, gh)``: d x through the attention's values ``[N, 4 H M]`` (empty
@@ -122,8 +127,8 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
     if triton_kernel.available(x):
         gv, gh = triton_layer.backward(g.contiguous(), galpha, x.contiguous(), h,
                                        b_quat.contiguous(), weight.contiguous(),
-                                       log_beta.contiguous(), rowptr, col, rowptr_t, perm_t,
-                                       row_t, alpha, qn, u, y, need_v, EPS)
+                                       log_beta.contiguous(), scale.contiguous(), rowptr, col,
+                                       rowptr_t, perm_t, row_t, alpha, qn, u, y, need_v, EPS)
         return gv.view(x.shape) if need_v else gv, gh
     # Elsewhere: autograd of the composition for the same buffer (log beta's
     # whole gradient in the first row).
@@ -135,9 +140,9 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
         hq = h[:, :4 * H].add(b_quat).detach().requires_grad_(True)
         lb = log_beta.detach().requires_grad_(True)
         q = unit_quaternion(hq.view(N, H, 4), EPS)
-        z, a, _, _, _ = attend(xv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(),
-                               x.new_empty(0, H), x.new_empty(0, H), rowptr, col, row,
-                               rowptr_t, perm_t, row_t, False, True)
+        z, a, _, _, _ = attend(xv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
+                               x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
+                               False, True)
         out = torch.bmm(z.view(N, H, C).transpose(0, 1), weight.detach())
         outs, grads = [out], [g.view(N, H, Fo).transpose(0, 1)]
         if galpha is not None:
@@ -151,7 +156,7 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
 
 
 @attend_layer_backward.register_fake
-def _(g, galpha, x, w_cat, b_quat, weight, log_beta, rowptr, col, row, rowptr_t, perm_t,
+def _(g, galpha, x, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
       row_t, alpha, h, qn, u, y, need_v):
     H, _, Fo = weight.shape
     return (x.new_empty(x.shape) if need_v else x.new_empty(0),
@@ -159,19 +164,19 @@ def _(g, galpha, x, w_cat, b_quat, weight, log_beta, rowptr, col, row, rowptr_t,
 
 
 def _backward(ctx, g_out, g_alpha, *_unused):
-    (x, w_cat, b_quat, bias, weight, log_beta, rowptr, col, row, rowptr_t, perm_t, row_t,
-     alpha, h, qn, u, y, z) = ctx.saved_tensors
+    (x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
+     row_t, alpha, h, qn, u, y, z) = ctx.saved_tensors
     need = ctx.needs_input_grad
     graph = (rowptr, col, row, rowptr_t, perm_t, row_t)
     if g_out is None and g_alpha is None:
-        return (None, ) * 12
+        return (None, ) * 13
     if g_out is None:
         g_out = x.new_zeros(x.size(0), weight.size(0) * weight.size(2))
     if torch.is_grad_enabled():
         # create_graph=True: autograd of the composition, on the saved inputs
         # themselves (exact second derivatives; the forward recomputed).
         inputs = (x, w_cat, b_quat, bias, weight, log_beta)
-        out, alpha_r = reference(*inputs, *graph)
+        out, alpha_r = reference(*inputs, scale.detach(), *graph)
         wanted = [t for t, n in zip(inputs, need[:6]) if n]
         outs, grads = [out], [g_out]
         if g_alpha is not None:
@@ -179,13 +184,13 @@ def _backward(ctx, g_out, g_alpha, *_unused):
             grads.append(g_alpha)
         got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True,
                                        create_graph=True))
-        return (*(next(got) if n else None for n in need[:6]), *(None, ) * 6)
+        return (*(next(got) if n else None for n in need[:6]), *(None, ) * 7)
     N, width = x.shape
     H, C, Fo = weight.shape
     g_out = g_out.contiguous()
     gv, gh = attend_layer_backward(g_out, None if g_alpha is None else g_alpha.contiguous(),
-                                   x, w_cat, b_quat, weight, log_beta, *graph, alpha, h, qn,
-                                   u, y, need[0])
+                                   x, w_cat, b_quat, weight, log_beta, scale, *graph, alpha, h,
+                                   qn, u, y, need[0])
     rows = 4 * H + H * Fo
     gx = gw_cat = gb_quat = gbias = gweight = glog_beta = None
     if need[2] or need[3] or need[5]:
@@ -199,15 +204,15 @@ def _backward(ctx, g_out, g_alpha, *_unused):
     if need[1]:
         gw_cat = torch.mm(gh[:, :rows].t(), x)
     return (gx, gw_cat, gb_quat if need[2] else None, gbias if need[3] else None, gweight,
-            glog_beta if need[5] else None, *(None, ) * 6)
+            glog_beta if need[5] else None, *(None, ) * 7)  # scale: a constant
 
 
 attend_layer.register_autograd(_backward, setup_context=_setup_context)
 
 
 def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
-                     bias: Tensor, weight: Tensor, log_beta: Tensor,
-                     graph: GraphCSR) -> Tuple[Tensor, Tensor]:
+                     bias: Tensor, weight: Tensor, log_beta: Tensor, graph: GraphCSR,
+                     edge_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     r"""The layer's output ``[N, H F]`` and attention weights ``[E, H]`` (in the
     graph's target-sorted edge order) over ``graph`` (``N`` nodes, homogeneous).
 
@@ -217,9 +222,14 @@ def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
         w_root, bias: the root weight ``[H F, 4 H M]`` and the bias ``[H F]``.
         weight: the per-head projection ``[H, 4 M, F]``.
         log_beta: the routing temperatures' logarithms ``[H]``.
+        edge_scale: an optional per-edge scale ``[E, H]`` of the aggregation in
+            the graph's target-sorted order (attention dropout's mask divided by
+            ``1 - p``), a constant; the returned weights are unscaled.
     """
+    H = weight.size(0)
+    scale = x.new_empty(0, H) if edge_scale is None else edge_scale.to(x.dtype)
     out, alpha, *_ = attend_layer(x, torch.cat([w_quat, w_root]), b_quat, bias, weight,
-                                  log_beta, graph.rowptr, graph.col, graph.row,
+                                  log_beta, scale, graph.rowptr, graph.col, graph.row,
                                   graph.rowptr_t, graph.perm_t, graph.row_t)
     return out, alpha
 

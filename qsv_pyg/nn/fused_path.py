@@ -155,8 +155,9 @@ class FusedPathMixin:
         does. It takes the default layer on the Triton path: feature quaternions,
         learned routing, the sandwich transport, root weight, bias, concatenated
         heads, 2-D float32/float64 input of a width divisible by ``4 * heads``
-        over a homogeneous graph that :meth:`choose_path` gives the operator,
-        no edge terms, no attention dropout, no finiteness check, no autocast.
+        over a homogeneous graph that :meth:`choose_path` gives the operator
+        (attention dropout included), no edge terms, no finiteness check, no
+        autocast.
         Everything else composes ``qsv_pyg::attend`` with the layer's own ops
         (the same result)."""
         from torch.nn.parameter import UninitializedParameter
@@ -179,7 +180,6 @@ class FusedPathMixin:
             (not self.concat or self.lin_skip is None or self.bias is None,
              "concat=False, no root weight or no bias"),
             (self.add_self_loops, "add_self_loops=True"),
-            (self._drops_attention(), "attention dropout"),
         )
         for failed, why in checks:
             if failed:
@@ -205,11 +205,13 @@ class FusedPathMixin:
         alpha)``, the weights in the order of ``edge_index``."""
         n = x.size(0)
         graph = graph_csr(edge_index, n, n)
+        mask = self._dropout_mask(graph.col.numel(), x)
         out, alpha = fused_layer.qsv_attend_layer(
             x, self.lin_quat.weight, self.lin_quat.bias, self.lin_skip.weight, self.bias,
-            self.weight, self.log_beta, graph)
-        if want_alpha:
-            return out, (edge_index, torch.empty_like(alpha).index_copy_(0, graph.perm, alpha))
+            self.weight, self.log_beta, graph, edge_scale=mask)
+        if want_alpha:  # in edge order, the weights used, as GATConv returns them
+            used = alpha if mask is None else alpha * mask
+            return out, (edge_index, torch.empty_like(used).index_copy_(0, graph.perm, used))
         return out
 
 

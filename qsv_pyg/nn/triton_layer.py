@@ -31,6 +31,7 @@ from torch import Tensor
 from .triton_kernel import (
     Config,
     _check_graph,
+    _check_scale,
     _on_device,
     _pow2,
     _Setup,
@@ -62,14 +63,17 @@ def fits(x: Tensor, heads: int, out_channels: int) -> bool:
 
 @_on_device
 def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
-            log_beta: Tensor, rowptr: Tensor, col: Tensor, eps: float):
+            log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, eps: float):
     """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]``, the
-    weights ``[E, H]`` (target-sorted order) and what the backward reads."""
+    weights ``[E, H]`` (target-sorted order) and what the backward reads.
+    ``scale``: the per-edge scale ``[E, H]`` of the aggregation (attention
+    dropout's mask), or empty for none."""
     N, width = x.shape
     H, C, Fo = weight.shape
     s = _setup(x, H)
     E = col.numel()
     _check_graph(rowptr, col, N)
+    scaled = _check_scale(scale, E, H)
     h = torch.mm(x, w_cat.t())  # [N, 4H + H F]: raw quaternions, root term
     qn = x.new_empty(N, H, 4)
     v = x.view(N, H, s.M, 4)
@@ -86,18 +90,21 @@ def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tens
 
         def launch(c: Config):
             s.k.layer_forward_rows[(-(-N // c.TARGETS), s.head_tiles)](
-                u, qn, log_beta, rowptr, col, y, z, alpha, dot, weight, h, h.stride(0), 4 * H,
-                bias, out, H, s.M, Fo, N, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF,
-                TARGETS=c.TARGETS, num_warps=c.warps)
+                u, qn, log_beta, scale if scaled else log_beta, rowptr, col, y, z, alpha, dot,
+                weight, h, h.stride(0), 4 * H, bias, out, H, s.M, Fo, N, HAS_SCALE=scaled,
+                ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS,
+                num_warps=c.warps)
         degree = degree_bucket(E, N)
         launch_tuned(tuning_key("layer_forward_rows", x.device, x.dtype, s, degree,
-                                {"F": Fo}), candidates(s, degree), launch, x.device)
+                                {"F": Fo, "HAS_SCALE": scaled}), candidates(s, degree), launch,
+                     x.device)
     return out, alpha, h, qn, u, y, z
 
 
 @_on_device
 def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Tensor,
-             log_beta: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor, perm_t: Tensor,
+             log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor,
+             perm_t: Tensor,
              row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
              eps: float):
     """``(gv, gh)``: d v ``[N, H M 4]`` (empty unless ``need_v``) and the buffer
@@ -107,6 +114,7 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
     H, C, Fo = weight.shape
     s = _setup(x, H)
     E = col.numel()
+    scaled = _check_scale(scale, E, H)
     g = g.contiguous()
     galpha = None if galpha is None else galpha.contiguous()
     gh = x.new_empty(N, 4 * H + H * Fo + H)
@@ -120,21 +128,24 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
 
         def launch_a(c: Config):
             s.k.layer_backward_rows[(-(-N // c.TARGETS), s.head_tiles)](
-                g, g if galpha is None else galpha, weight, u, qn, log_beta, rowptr, col, alpha,
-                y, ga_buf, gd, gz, gh, gh.stride(0), 4 * H, 4 * H + H * Fo, gqd, gkd, H, s.M,
-                Fo, N, HAS_GALPHA=galpha is not None, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM,
-                BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
+                g, g if galpha is None else galpha, weight, u, qn, log_beta,
+                scale if scaled else log_beta, rowptr, col, alpha, y, ga_buf, gd, gz, gh,
+                gh.stride(0), 4 * H, 4 * H + H * Fo, gqd, gkd, H, s.M, Fo, N,
+                HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, ACC=s.acc, BE=c.BE, BH=s.BH,
+                BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
         launch_tuned(tuning_key("layer_backward_rows", x.device, x.dtype, s, degree,
-                                {"F": Fo, "HAS_GALPHA": galpha is not None}),
+                                {"F": Fo, "HAS_GALPHA": galpha is not None,
+                                 "HAS_SCALE": scaled}),
                      candidates(s, degree), launch_a, x.device)
 
         def launch_b(c: Config):
             s.k.layer_backward_cols[(-(-N // c.TARGETS), s.head_tiles)](
-                gz, x, qn, alpha, gd, rowptr_t, perm_t, row_t, gv if need_v else gz, gh,
-                gh.stride(0), gks,
-                gqd, gkd, h, b_quat, h.stride(0), H, s.M, N, NEED_V=need_v, EPS=float(eps),
+                gz, x, qn, alpha, scale if scaled else alpha, gd, rowptr_t, perm_t, row_t,
+                gv if need_v else gz, gh, gh.stride(0), gks, gqd, gkd, h, b_quat, h.stride(0), H,
+                s.M, N, NEED_V=need_v, HAS_SCALE=scaled, EPS=float(eps),
                 ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, TARGETS=c.TARGETS,
                 num_warps=c.warps)
         launch_tuned(tuning_key("layer_backward_cols", x.device, x.dtype, s, degree,
-                                {"NEED_V": need_v}), candidates(s, degree), launch_b, x.device)
+                                {"NEED_V": need_v, "HAS_SCALE": scaled}), candidates(s, degree),
+                     launch_b, x.device)
     return gv, gh
