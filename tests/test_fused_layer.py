@@ -84,6 +84,15 @@ def test_the_one_operator_is_the_composed_layer(interpret, heads, channels, out)
     _compare(layer, x, _graph(29, 90), interpret)
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_the_mean_over_heads(interpret, heads):
+    """``concat=False`` (the output layer of a GAT-like model): the mean over
+    heads inside the row kernel."""
+    layer = _layer(16, 5, heads, concat=False)
+    x = torch.randn(19, 16, dtype=torch.float64)
+    _compare(layer, x, _graph(19, 60, seed=6), interpret)
+
+
 def test_weights_gradient_and_isolated_nodes(interpret):
     """A loss on the returned weights too (their gradient enters the softmax
     backward), on a graph where most nodes have no incoming edge."""
@@ -158,8 +167,8 @@ def test_bit_identical_reruns(interpret):
     (dict(quat_source="given"), "quat_source='given'"),
     (dict(routing="uniform"), "routing or transport other than learned / sandwich"),
     (dict(edge_dim=3), "input projection or edge terms"),
-    (dict(concat=False), "concat=False, no root weight or no bias"),
-    (dict(bias=False), "concat=False, no root weight or no bias"),
+    (dict(bias=False), "no root weight or no bias"),
+    (dict(root_weight=False), "no root weight or no bias"),
     (dict(add_self_loops=True), "add_self_loops=True"),
     (dict(check_finite=True), "check_finite (checked on the composed path)"),
 ])
@@ -210,13 +219,22 @@ def test_the_operator_without_triton_is_the_composition(monkeypatch):
     params = [p.requires_grad_(True) for p in params]
     scale = torch.rand(30, heads, dtype=torch.float64)  # attention dropout's scale
     args = (x, *params, scale, graph.rowptr, graph.col, graph.row, graph.rowptr_t,
-            graph.perm_t, graph.row_t)
+            graph.perm_t, graph.row_t, False)
     torch.library.opcheck(fused_layer.attend_layer, args, test_utils=(
         "test_schema", "test_autograd_registration", "test_faketensor"))
     out, alpha, *_ = fused_layer.attend_layer(*args)
     ref_out, ref_alpha = fused_layer.reference(*args)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(alpha, ref_alpha)
+    # the mean over heads: a root weight and bias of the output width
+    mean_args = (x, torch.randn(4 * heads + f, 4 * heads * m, dtype=torch.float64,
+                                requires_grad=True), params[1],
+                 torch.randn(f, dtype=torch.float64, requires_grad=True), *params[3:],
+                 scale, *args[7:13], True)
+    torch.library.opcheck(fused_layer.attend_layer, mean_args, test_utils=(
+        "test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.testing.assert_close(fused_layer.attend_layer(*mean_args)[0],
+                               fused_layer.reference(*mean_args)[0])
 
 
 def test_opcheck_on_the_triton_path(interpret):
@@ -229,7 +247,7 @@ def test_opcheck_on_the_triton_path(interpret):
     params = [p.requires_grad_(True) for p in params]
     torch.library.opcheck(fused_layer.attend_layer,
                           (x, *params, torch.empty(0, heads), graph.rowptr, graph.col,
-                           graph.row, graph.rowptr_t, graph.perm_t, graph.row_t),
+                           graph.row, graph.rowptr_t, graph.perm_t, graph.row_t, False),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
 

@@ -271,7 +271,8 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
                   gout, w, gh, gh_sn, root_off, F, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
                   HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr,
-                  PROJECT: tl.constexpr, LOG_BETA: tl.constexpr, ACC: tl.constexpr,
+                  PROJECT: tl.constexpr, MEAN: tl.constexpr, LOG_BETA: tl.constexpr,
+                  ACC: tl.constexpr,
                   BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                   BF: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -287,8 +288,8 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
     # gz may be strided over nodes and heads (the transposed gradient of the
     # layer's per-head projection): blocks of four contiguous within a row
     if PROJECT:  # gz = W_h g_i from the layer's output gradient (stored for pass B)
-        g0, g1, g2, g3 = _project_back(i, offs_h, hm, offs_m, mm, gout, w, gh, gh_sn, root_off,
-                                       H, M, F, ACC, BF)
+        g0, g1, g2, g3 = _project_back(i, valid, offs_h, hm, offs_m, mm, gout, w, gh, gh_sn,
+                                       root_off, H, M, F, MEAN, ACC, BF)
         _store4(gz, off_i, mask_i, g0, g1, g2, g3)
     else:
         off_g = i * gz_sn + offs_h[:, None].to(tl.int64) * gz_sh + offs_m[None, :] * 4
@@ -386,7 +387,7 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
         _backward_row(i, i < N, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
                       ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, H,
                       gz, gz, gz, 0, 0, 0, USE_ABS, ROTATE, HAS_KEYS, HAS_GALPHA, HAS_SCALE,
-                      NEED_Q, NEED_K, NEED_BIAS, False, False, ACC, BE, BH, BM, BD, 1)
+                      NEED_Q, NEED_K, NEED_BIAS, False, False, False, ACC, BE, BH, BM, BD, 1)
 
 
 @triton.jit
@@ -598,10 +599,12 @@ def layer_rotate_rows(v, h_raw, bq, qn, u, R, H, M, h_sn, EPS: tl.constexpr,
 
 @triton.jit
 def _project_row(i, valid, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
-                 ACC: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                 MEAN: tl.constexpr, ACC: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                 BF: tl.constexpr):
     """``out_i = concat_h W_h^T z_i^h + h_i[root] + bias`` for the program's heads
     (``W`` ``[H, 4 M, F]``, channel ``4 m + c`` of head ``h`` at ``(h 4 M + 4 m +
-    c) F``)."""
+    c) F``); with ``MEAN`` (``concat=False``; every head in the program) the
+    mean over heads, ``out_i`` ``[F]``."""
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = offs_h < tl.where(valid, H, 0)
     offs_m = tl.arange(0, BM)
@@ -616,25 +619,38 @@ def _project_row(i, valid, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, 
                    _ADD)
     o += tl.reduce(z3[:, :, None] * tl.load(w + wb + 3 * F, mask=wm, other=0).to(ACC), 1,
                    _ADD)
-    hf = offs_h[:, None] * F + offs_f[None, :]
-    mhf = hm[:, None] & fm[None, :]
-    o += tl.load(h_raw + i * h_sn + root_off + hf, mask=mhf, other=0).to(ACC)
-    o += tl.load(bias + hf, mask=mhf, other=0).to(ACC)
-    tl.store(out + i * (H * F) + hf, o.to(out.dtype.element_ty), mask=mhf)
+    if MEAN:
+        mf = offs_f < tl.where(valid, F, 0)
+        m = tl.reduce(o, 0, _ADD) / H
+        m += tl.load(h_raw + i * h_sn + root_off + offs_f, mask=mf, other=0).to(ACC)
+        m += tl.load(bias + offs_f, mask=mf, other=0).to(ACC)
+        tl.store(out + i * F + offs_f, m.to(out.dtype.element_ty), mask=mf)
+    else:
+        hf = offs_h[:, None] * F + offs_f[None, :]
+        mhf = hm[:, None] & fm[None, :]
+        o += tl.load(h_raw + i * h_sn + root_off + hf, mask=mhf, other=0).to(ACC)
+        o += tl.load(bias + hf, mask=mhf, other=0).to(ACC)
+        tl.store(out + i * (H * F) + hf, o.to(out.dtype.element_ty), mask=mhf)
 
 
 @triton.jit
-def _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off, H, M, F,
-                  ACC: tl.constexpr, BF: tl.constexpr):
+def _project_back(i, valid, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off, H, M, F,
+                  MEAN: tl.constexpr, ACC: tl.constexpr, BF: tl.constexpr):
     """The transpose of :func:`_project_row` for one target: ``gz = W_h g_i^h``
     (four component tiles ``[BH, BM]``); ``g_i`` itself (the gradient of the root
     term and the bias) is copied into ``gh``'s row at ``root_off``."""
     offs_f = tl.arange(0, BF)
     fm = offs_f < F
-    hf = offs_h[:, None] * F + offs_f[None, :]
-    mhf = hm[:, None] & fm[None, :]
-    gt = tl.load(g + i * (H * F) + hf, mask=mhf, other=0).to(ACC)
-    tl.store(gh + i * gh_sn + root_off + hf, gt.to(gh.dtype.element_ty), mask=mhf)
+    if MEAN:  # g_i [F], every head's share 1 / H
+        mf = offs_f < tl.where(valid, F, 0)
+        g1 = tl.load(g + i * F + offs_f, mask=mf, other=0).to(ACC)
+        tl.store(gh + i * gh_sn + root_off + offs_f, g1.to(gh.dtype.element_ty), mask=mf)
+        gt = (g1 / H)[None, :]
+    else:
+        hf = offs_h[:, None] * F + offs_f[None, :]
+        mhf = hm[:, None] & fm[None, :]
+        gt = tl.load(g + i * (H * F) + hf, mask=mhf, other=0).to(ACC)
+        tl.store(gh + i * gh_sn + root_off + hf, gt.to(gh.dtype.element_ty), mask=mhf)
     wb = offs_h[:, None, None] * (M * 4 * F) + offs_m[None, :, None] * (4 * F) + \
         offs_f[None, None, :]
     wm = hm[:, None, None] & mm[None, :, None] & fm[None, None, :]
@@ -649,7 +665,8 @@ def _project_back(i, offs_h, hm, offs_m, mm, g, w, gh, gh_sn, root_off, H, M, F,
 @triton.jit
 def layer_forward_rows(src, qn, log_beta, scale, rowptr, col, y_out, z_out, alpha_out, dot_out,
                        w, h_raw, h_sn, root_off, bias, out, H, M, F, N,
-                       HAS_SCALE: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, MEAN: tl.constexpr, ACC: tl.constexpr,
+                       BE: tl.constexpr,
                        BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                        BF: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`forward_rows` with learned routing on the unit quaternions ``qn``
@@ -663,14 +680,14 @@ def layer_forward_rows(src, qn, log_beta, scale, rowptr, col, y_out, z_out, alph
                                       H, M, 4, False, True, True, HAS_SCALE, False, True, ACC,
                                       BE, BH, BM, BD)
         _project_row(i, i < N, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
-                     ACC, BH, BM, BF)
+                     MEAN, ACC, BH, BM, BF)
 
 
 @triton.jit
 def layer_backward_rows(g, galpha, w, src, qn, log_beta, scale, rowptr, col, alpha, y, ga_buf,
                         gd, gz, gh, gh_sn, root_off, beta_off, gqd, gkd, H, M, F, N,
                         HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        ACC: tl.constexpr, BE: tl.constexpr,
+                        MEAN: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
                         BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                         BF: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`backward_rows` of :func:`layer_forward_rows`: ``gz = W_h g`` from the
@@ -683,14 +700,15 @@ def layer_backward_rows(g, galpha, w, src, qn, log_beta, scale, rowptr, col, alp
         _backward_row(i, i < N, N, gz, galpha, src, qn, qn, qn, log_beta, scale, rowptr,
                       col, alpha, y, ga_buf, gd, ga_buf, gh + beta_off, gqd, gkd, H, M, 4, 0,
                       0, gh_sn, g, w, gh, gh_sn, root_off, F, False, True, True, HAS_GALPHA,
-                      HAS_SCALE, True, True, False, True, True, ACC, BE, BH, BM, BD, BF)
+                      HAS_SCALE, True, True, False, True, MEAN, True, ACC, BE, BH, BM, BD, BF)
 
 
 @triton.jit
 def layer_backward_cols(gz, v, qn, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gh, gh_sn,
                         gks, gqd, gkd, h_raw, bq, h_sn, H, M, N, NEED_V: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
-                        BM: tl.constexpr, BD: tl.constexpr, TARGETS: tl.constexpr):
+                        HAS_SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                        BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+                        BD: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`backward_cols` of the layer: d v and the summed gradient of the unit
     quaternions (transport and keys of both ends) taken back through the
     normalisation into the raw quaternions' columns of ``gh``."""

@@ -9,8 +9,9 @@ with :math:`\mathbf{z}` the attention of :func:`~qsv_pyg.nn.qsv_kernel.qsv_atten
 with the unit quaternions as transport and keys of both ends (learned routing,
 :math:`\beta = \exp(\log\beta)`): :class:`~qsv_pyg.nn.QSVConv`'s default layer
 on a homogeneous graph (feature quaternions, ``routing="learned"``,
-``transport="sandwich"``, root weight, bias, ``concat=True``, no edge terms, no
-padding; attention dropout as a per-edge scale, as ``qsv_pyg::attend`` takes it).
+``transport="sandwich"``, root weight, bias, no edge terms, no padding; the
+heads concatenated or averaged; attention dropout as a per-edge scale, as
+``qsv_pyg::attend`` takes it).
 
 Why a second operator: on the Triton path the layer composed of
 ``qsv_pyg::attend`` and its own PyTorch ops launches 28 kernels per
@@ -47,9 +48,17 @@ def enabled() -> bool:
     return os.environ.get(FUSED_LAYER_ENV, "1") != "0"
 
 
+def _project(z: Tensor, weight: Tensor, mean: bool) -> Tensor:
+    """The per-head projection of ``z`` ``[N, H, C]``: ``[N, H F]``, or the mean
+    over heads ``[N, F]``."""
+    proj = torch.bmm(z.transpose(0, 1), weight)  # [H, N, F]
+    return proj.mean(0) if mean else proj.transpose(0, 1).reshape(z.size(0), -1)
+
+
 def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
               log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
-              rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor) -> Tuple[Tensor, Tensor]:
+              rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor,
+              mean: bool = False) -> Tuple[Tensor, Tensor]:
     """The operator as the composition the layer runs (differentiable PyTorch ops
     and ``qsv_pyg::attend``): ``(out, alpha)``."""
     from .qsv_kernel import attend
@@ -59,8 +68,7 @@ def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Te
     z, alpha, _, _, _ = attend(x.reshape(N, H, C // 4, 4), q, q, q, q, log_beta.exp(), scale,
                                x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
                                False, True)
-    proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
-    return proj.reshape(N, -1) + F.linear(x, w_cat[4 * H:]) + bias, alpha
+    return _project(z.view(N, H, C), weight, mean) + F.linear(x, w_cat[4 * H:]) + bias, alpha
 
 
 Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -69,8 +77,9 @@ Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 @torch.library.custom_op("qsv_pyg::attend_layer", mutates_args=())
 def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
                  log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
-                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor) -> Tensors7:
-    """``(out, alpha, h, qn, u, y, z)``: the output ``[N, H F]``, the weights
+                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, mean: bool) -> Tensors7:
+    """``(out, alpha, h, qn, u, y, z)``: the output ``[N, H F]`` (with ``mean``,
+    ``concat=False``: the mean over heads ``[N, F]``), the weights
     ``[E, H]`` in the graph's target-sorted order, and what the backward reads
     (``h = x w_cat^T``, the unit quaternions, the rotated sources, the
     aggregate before and after the target's rotation). ``w_cat``: the
@@ -81,7 +90,7 @@ def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight:
         return triton_layer.forward(x.contiguous(), w_cat.contiguous(), b_quat.contiguous(),
                                     bias.contiguous(), weight.contiguous(),
                                     log_beta.contiguous(), scale.contiguous(), rowptr, col,
-                                    EPS)
+                                    mean, EPS)
     # Elsewhere (no Triton) the composition itself.
     from .qsv_kernel import attend
     N, H = x.size(0), weight.size(0)
@@ -91,24 +100,25 @@ def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight:
     z, alpha, u, y, _ = attend(x.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
                                scale, x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t,
                                row_t, False, True)
-    proj = torch.bmm(z.view(N, H, C).transpose(0, 1), weight).transpose(0, 1)
-    out = proj.reshape(N, -1) + h[:, 4 * H:] + bias
+    out = _project(z.view(N, H, C), weight, mean) + h[:, 4 * H:] + bias
     return out, alpha, h, qn, u, y, z
 
 
 @attend_layer.register_fake
 def _(x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
-      row_t):
+      row_t, mean):
     N = x.size(0)
     H, C, Fo = weight.shape
     E = col.size(0)
     feats = x.new_empty(N, H, C // 4, 4)
-    return (x.new_empty(N, H * Fo), x.new_empty(E, H), x.new_empty(N, 4 * H + H * Fo),
+    root = Fo if mean else H * Fo
+    return (x.new_empty(N, root), x.new_empty(E, H), x.new_empty(N, 4 * H + root),
             x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), x.new_empty(feats.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, *output[1:])
+    ctx.mean = inputs[-1]
+    ctx.save_for_backward(*inputs[:-1], *output[1:])
     ctx.mark_non_differentiable(*output[2:])
     ctx.set_materialize_grads(False)
 
@@ -119,7 +129,7 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
                           rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
                           perm_t: Tensor,
                           row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
-                          y: Tensor, need_v: bool) -> Tuple[Tensor, Tensor]:
+                          y: Tensor, need_v: bool, mean: bool) -> Tuple[Tensor, Tensor]:
     """``(gv, gh)``: d x through the attention's values ``[N, 4 H M]`` (empty
     unless ``need_v``) and the buffer ``gh`` ``[N, 4H + HF + H]`` whose row sum
     holds the quaternion bias's, the bias's and log beta's gradients and whose
@@ -128,7 +138,8 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
         gv, gh = triton_layer.backward(g.contiguous(), galpha, x.contiguous(), h,
                                        b_quat.contiguous(), weight.contiguous(),
                                        log_beta.contiguous(), scale.contiguous(), rowptr, col,
-                                       rowptr_t, perm_t, row_t, alpha, qn, u, y, need_v, EPS)
+                                       rowptr_t, perm_t, row_t, alpha, qn, u, y, need_v, mean,
+                                       EPS)
         return gv.view(x.shape) if need_v else gv, gh
     # Elsewhere: autograd of the composition for the same buffer (log beta's
     # whole gradient in the first row).
@@ -143,40 +154,39 @@ def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat:
         z, a, _, _, _ = attend(xv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
                                x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
                                False, True)
-        out = torch.bmm(z.view(N, H, C).transpose(0, 1), weight.detach())
-        outs, grads = [out], [g.view(N, H, Fo).transpose(0, 1)]
+        outs, grads = [_project(z.view(N, H, C), weight.detach(), mean)], [g]
         if galpha is not None:
             outs.append(a)
             grads.append(galpha)
         gv, ghq, glb = torch.autograd.grad(outs, [xv, hq, lb], grads, allow_unused=True)
     gbeta = torch.zeros(N, H, dtype=x.dtype, device=x.device)
     gbeta[:1] = glb
-    gh = torch.cat([ghq, g.reshape(N, -1), gbeta], dim=1)
+    gh = torch.cat([ghq, g, gbeta], dim=1)
     return gv if need_v else x.new_empty(0), gh
 
 
 @attend_layer_backward.register_fake
 def _(g, galpha, x, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
-      row_t, alpha, h, qn, u, y, need_v):
+      row_t, alpha, h, qn, u, y, need_v, mean):
     H, _, Fo = weight.shape
     return (x.new_empty(x.shape) if need_v else x.new_empty(0),
-            x.new_empty(x.size(0), 4 * H + H * Fo + H))
+            x.new_empty(x.size(0), 4 * H + (Fo if mean else H * Fo) + H))
 
 
 def _backward(ctx, g_out, g_alpha, *_unused):
     (x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
      row_t, alpha, h, qn, u, y, z) = ctx.saved_tensors
-    need = ctx.needs_input_grad
+    need, mean = ctx.needs_input_grad, ctx.mean
     graph = (rowptr, col, row, rowptr_t, perm_t, row_t)
     if g_out is None and g_alpha is None:
-        return (None, ) * 13
+        return (None, ) * 14
     if g_out is None:
-        g_out = x.new_zeros(x.size(0), weight.size(0) * weight.size(2))
+        g_out = x.new_zeros(x.size(0), w_cat.size(0) - 4 * weight.size(0))
     if torch.is_grad_enabled():
         # create_graph=True: autograd of the composition, on the saved inputs
         # themselves (exact second derivatives; the forward recomputed).
         inputs = (x, w_cat, b_quat, bias, weight, log_beta)
-        out, alpha_r = reference(*inputs, scale.detach(), *graph)
+        out, alpha_r = reference(*inputs, scale.detach(), *graph, mean)
         wanted = [t for t, n in zip(inputs, need[:6]) if n]
         outs, grads = [out], [g_out]
         if g_alpha is not None:
@@ -184,19 +194,22 @@ def _backward(ctx, g_out, g_alpha, *_unused):
             grads.append(g_alpha)
         got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True,
                                        create_graph=True))
-        return (*(next(got) if n else None for n in need[:6]), *(None, ) * 7)
+        return (*(next(got) if n else None for n in need[:6]), *(None, ) * 8)
     N, width = x.shape
     H, C, Fo = weight.shape
     g_out = g_out.contiguous()
     gv, gh = attend_layer_backward(g_out, None if g_alpha is None else g_alpha.contiguous(),
                                    x, w_cat, b_quat, weight, log_beta, scale, *graph, alpha, h,
-                                   qn, u, y, need[0])
-    rows = 4 * H + H * Fo
+                                   qn, u, y, need[0], mean)
+    rows = w_cat.size(0)  # 4 H + the root width (H F, or F for the mean)
     gx = gw_cat = gb_quat = gbias = gweight = glog_beta = None
     if need[2] or need[3] or need[5]:
         sums = gh.sum(0)  # the quaternion bias, the output bias, log beta at once
         gb_quat, gbias, glog_beta = sums[:4 * H], sums[4 * H:rows], sums[rows:]
-    if need[4]:  # d W_h = z_h^T g_h, both read strided
+    if need[4] and mean:  # d W_h = z_h^T g / H, one matmul (beta = 0: the input unread)
+        gweight = torch.addmm(z.new_empty(()), z.view(N, H * C).t(), g_out, beta=0,
+                              alpha=1.0 / H).view(H, C, Fo)
+    elif need[4]:  # d W_h = z_h^T g_h, both read strided
         gweight = torch.bmm(z.view(N, H, C).permute(1, 2, 0),
                             g_out.view(N, H, Fo).transpose(0, 1))
     if need[0]:  # d x = d v + gh [W_q; W_r]
@@ -204,7 +217,7 @@ def _backward(ctx, g_out, g_alpha, *_unused):
     if need[1]:
         gw_cat = torch.mm(gh[:, :rows].t(), x)
     return (gx, gw_cat, gb_quat if need[2] else None, gbias if need[3] else None, gweight,
-            glog_beta if need[5] else None, *(None, ) * 7)  # scale: a constant
+            glog_beta if need[5] else None, *(None, ) * 8)  # scale: a constant
 
 
 attend_layer.register_autograd(_backward, setup_context=_setup_context)
@@ -212,14 +225,17 @@ attend_layer.register_autograd(_backward, setup_context=_setup_context)
 
 def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
                      bias: Tensor, weight: Tensor, log_beta: Tensor, graph: GraphCSR,
-                     edge_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    r"""The layer's output ``[N, H F]`` and attention weights ``[E, H]`` (in the
-    graph's target-sorted edge order) over ``graph`` (``N`` nodes, homogeneous).
+                     edge_scale: Optional[Tensor] = None,
+                     concat: bool = True) -> Tuple[Tensor, Tensor]:
+    r"""The layer's output ``[N, H F]`` (``[N, F]``, the mean over heads, when not
+    ``concat``) and attention weights ``[E, H]`` (in the graph's target-sorted
+    edge order) over ``graph`` (``N`` nodes, homogeneous).
 
     Args:
         x: node features ``[N, 4 H M]``.
         w_quat, b_quat: the quaternion map ``[4 H, 4 H M]``, ``[4 H]``.
-        w_root, bias: the root weight ``[H F, 4 H M]`` and the bias ``[H F]``.
+        w_root, bias: the root weight ``[H F, 4 H M]`` and the bias ``[H F]``
+            (``[F, 4 H M]`` and ``[F]`` when not ``concat``).
         weight: the per-head projection ``[H, 4 M, F]``.
         log_beta: the routing temperatures' logarithms ``[H]``.
         edge_scale: an optional per-edge scale ``[E, H]`` of the aggregation in
@@ -230,7 +246,7 @@ def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
     scale = x.new_empty(0, H) if edge_scale is None else edge_scale.to(x.dtype)
     out, alpha, *_ = attend_layer(x, torch.cat([w_quat, w_root]), b_quat, bias, weight,
                                   log_beta, scale, graph.rowptr, graph.col, graph.row,
-                                  graph.rowptr_t, graph.perm_t, graph.row_t)
+                                  graph.rowptr_t, graph.perm_t, graph.row_t, not concat)
     return out, alpha
 
 
@@ -248,8 +264,8 @@ def unavailable(x: Tensor) -> Optional[str]:
     return None
 
 
-def too_wide(x: Tensor, heads: int, out_channels: int) -> Optional[str]:
+def too_wide(x: Tensor, heads: int, out_channels: int, concat: bool = True) -> Optional[str]:
     """Why the layer's projection does not fit the kernels (None: it does)."""
-    if not triton_layer.fits(x, heads, out_channels):
+    if not triton_layer.fits(x, heads, out_channels, mean=not concat):
         return "the projection tile is too wide for one program"
     return None

@@ -153,8 +153,8 @@ class FusedPathMixin:
         ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`: 10 launches per
         forward+backward on the Triton path instead of 28), or :obj:`None` when it
         does. It takes the default layer on the Triton path: feature quaternions,
-        learned routing, the sandwich transport, root weight, bias, concatenated
-        heads, 2-D float32/float64 input of a width divisible by ``4 * heads``
+        learned routing, the sandwich transport, root weight, bias, 2-D
+        float32/float64 input of a width divisible by ``4 * heads``
         over a homogeneous graph that :meth:`choose_path` gives the operator
         (attention dropout included), no edge terms, no finiteness check, no
         autocast.
@@ -177,8 +177,7 @@ class FusedPathMixin:
             (self.project_input or self.edge_dim is not None or self.source_logit
              or bool(self.edge_message) or edge_attr is not None,
              "input projection or edge terms"),
-            (not self.concat or self.lin_skip is None or self.bias is None,
-             "concat=False, no root weight or no bias"),
+            (self.lin_skip is None or self.bias is None, "no root weight or no bias"),
             (self.add_self_loops, "add_self_loops=True"),
         )
         for failed, why in checks:
@@ -197,7 +196,7 @@ class FusedPathMixin:
         path, why = self.path_reason(x, None, edge_index)
         if path != "attend_shared":
             return why
-        return fused_layer.too_wide(x, self.heads, self.out_channels)
+        return fused_layer.too_wide(x, self.heads, self.out_channels, self.concat)
 
     def _attend_layer(self, x: Tensor, edge_index: Tensor, want_alpha: bool):
         """The whole layer as ``qsv_pyg::attend_layer`` (see
@@ -208,7 +207,7 @@ class FusedPathMixin:
         mask = self._dropout_mask(graph.col.numel(), x)
         out, alpha = fused_layer.qsv_attend_layer(
             x, self.lin_quat.weight, self.lin_quat.bias, self.lin_skip.weight, self.bias,
-            self.weight, self.log_beta, graph, edge_scale=mask)
+            self.weight, self.log_beta, graph, edge_scale=mask, concat=self.concat)
         if want_alpha:  # in edge order, the weights used, as GATConv returns them
             used = alpha if mask is None else alpha * mask
             return out, (edge_index, torch.empty_like(used).index_copy_(0, graph.perm, used))

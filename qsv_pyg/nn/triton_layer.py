@@ -1,24 +1,27 @@
 r"""Triton launches of ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`).
 
 QSVConv's common configuration (feature quaternions, learned routing, the
-sandwich transport, root weight and bias, concatenated heads) as four Triton
-kernels (:mod:`qsv_pyg.nn._triton_kernels`, "the layer's fused kernels") and
-six PyTorch ops per forward+backward, against 28 launches when the layer
-composes the operator with its own PyTorch ops (issue 32: at most 10):
+sandwich transport, root weight and bias; heads concatenated or averaged;
+attention dropout as a per-edge scale) as four Triton kernels
+(:mod:`qsv_pyg.nn._triton_kernels`, "the layer's fused kernels") and six
+PyTorch ops per forward+backward, against 26 launches when the layer composes
+the operator with its own PyTorch ops (issue 32: at most 10):
 
 forward (4)
     ``cat`` of the quaternion map's and root weight's matrices and one ``mm``:
     ``h = x [W_q; W_r]^T``; ``layer_rotate_rows``: ``qn = unit(h_q + b_q)`` and
     ``u = Q(qn) v``; ``layer_forward_rows``: the attention of
     :mod:`qsv_pyg.nn.triton_kernel` with ``beta = exp(log_beta)``, then
-    ``out = concat_h W_h^T z^h + h_root + b``.
+    ``out = concat_h W_h^T z^h + h_root + b`` (or the mean over heads).
 backward (6)
     ``layer_backward_rows``: ``gz = W_h g`` (stored for pass B), the softmax
-    backward, and the rows of one buffer ``gh`` ``[N, 4H + HF + H]``: the output
+    backward, and the rows of one buffer ``gh`` ``[N, 4H + R + H]`` (``R``: the
+    output width, ``HF``, or ``F`` for the mean over heads): the output
     gradient itself (the root term's and bias's) and d log beta per target;
     ``layer_backward_cols``: d v and the raw quaternions' gradient (through the
     normalisation) into ``gh``'s first ``4H`` columns; then ``gh.sum(0)`` (the
-    quaternion bias, the bias and log beta at once), ``bmm`` (d W_h),
+    quaternion bias, the bias and log beta at once), ``bmm`` (d W_h; ``addmm``
+    for the mean over heads),
     ``addmm`` (d x = d v + gh W) and ``mm`` (d [W_q; W_r]).
 
 No atomics: deterministic. float32 and float64.
@@ -54,17 +57,21 @@ def _setup(x: Tensor, heads: int) -> _Setup:
     return _Setup(x.view(n, heads, width // (4 * heads), 4), x.new_empty(0, heads, 4))
 
 
-def fits(x: Tensor, heads: int, out_channels: int) -> bool:
+def fits(x: Tensor, heads: int, out_channels: int, mean: bool = False) -> bool:
     """Whether the projection tile of the layer's kernels stays within
-    :data:`MAX_PROJECT_TILE` values."""
+    :data:`MAX_PROJECT_TILE` values (and, for the mean over heads, one program
+    holds every head)."""
     s = _setup(x[:0], heads)
-    return s.BH * s.BM * _pow2(out_channels) <= MAX_PROJECT_TILE
+    return s.BH * s.BM * _pow2(out_channels) <= MAX_PROJECT_TILE and \
+        (not mean or s.head_tiles == 1)
 
 
 @_on_device
 def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
-            log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, eps: float):
-    """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]``, the
+            log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, mean: bool,
+            eps: float):
+    """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]`` (``[N,
+    F]``, the mean over heads, with ``mean``), the
     weights ``[E, H]`` (target-sorted order) and what the backward reads.
     ``scale``: the per-edge scale ``[E, H]`` of the aggregation (attention
     dropout's mask), or empty for none."""
@@ -80,7 +87,7 @@ def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tens
     u, y, z = torch.empty_like(v), torch.empty_like(v), torch.empty_like(v)
     alpha = x.new_empty(E, H)
     dot = x.new_empty(E, H)
-    out = x.new_empty(N, H * Fo)
+    out = x.new_empty(N, Fo if mean else H * Fo)
     if N:
         rows, BR = N * H, max(1, ROTATE_BLOCKS // s.BM)
         s.k.layer_rotate_rows[(-(-rows // BR), )](
@@ -92,12 +99,12 @@ def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tens
             s.k.layer_forward_rows[(-(-N // c.TARGETS), s.head_tiles)](
                 u, qn, log_beta, scale if scaled else log_beta, rowptr, col, y, z, alpha, dot,
                 weight, h, h.stride(0), 4 * H, bias, out, H, s.M, Fo, N, HAS_SCALE=scaled,
-                ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS,
+                MEAN=mean, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS,
                 num_warps=c.warps)
         degree = degree_bucket(E, N)
         launch_tuned(tuning_key("layer_forward_rows", x.device, x.dtype, s, degree,
-                                {"F": Fo, "HAS_SCALE": scaled}), candidates(s, degree), launch,
-                     x.device)
+                                {"F": Fo, "HAS_SCALE": scaled, "MEAN": mean}),
+                     candidates(s, degree), launch, x.device)
     return out, alpha, h, qn, u, y, z
 
 
@@ -106,9 +113,9 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
              log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor,
              perm_t: Tensor,
              row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
-             eps: float):
+             mean: bool, eps: float):
     """``(gv, gh)``: d v ``[N, H M 4]`` (empty unless ``need_v``) and the buffer
-    ``gh`` ``[N, 4H + HF + H]`` (d h_q through the normalisation, the output
+    ``gh`` ``[N, 4H + R + H]`` (d h_q through the normalisation, the output
     gradient, d log beta per target), whose row sum and matmuls the caller takes."""
     N, width = x.shape
     H, C, Fo = weight.shape
@@ -117,7 +124,8 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
     scaled = _check_scale(scale, E, H)
     g = g.contiguous()
     galpha = None if galpha is None else galpha.contiguous()
-    gh = x.new_empty(N, 4 * H + H * Fo + H)
+    root = Fo if mean else H * Fo
+    gh = x.new_empty(N, 4 * H + root + H)
     gz = torch.empty_like(u)
     gv = torch.empty_like(u) if need_v else x.new_empty(0)
     ga_buf, gd = x.new_empty(E, H), x.new_empty(E, H)
@@ -130,12 +138,12 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
             s.k.layer_backward_rows[(-(-N // c.TARGETS), s.head_tiles)](
                 g, g if galpha is None else galpha, weight, u, qn, log_beta,
                 scale if scaled else log_beta, rowptr, col, alpha, y, ga_buf, gd, gz, gh,
-                gh.stride(0), 4 * H, 4 * H + H * Fo, gqd, gkd, H, s.M, Fo, N,
-                HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, ACC=s.acc, BE=c.BE, BH=s.BH,
-                BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
+                gh.stride(0), 4 * H, 4 * H + root, gqd, gkd, H, s.M, Fo, N,
+                HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, MEAN=mean, ACC=s.acc,
+                BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
         launch_tuned(tuning_key("layer_backward_rows", x.device, x.dtype, s, degree,
                                 {"F": Fo, "HAS_GALPHA": galpha is not None,
-                                 "HAS_SCALE": scaled}),
+                                 "HAS_SCALE": scaled, "MEAN": mean}),
                      candidates(s, degree), launch_a, x.device)
 
         def launch_b(c: Config):
