@@ -84,6 +84,14 @@ def test_the_one_operator_is_the_composed_layer(interpret, heads, channels, out)
     _compare(layer, x, _graph(29, 90), interpret)
 
 
+def test_padded_features(interpret):
+    """Features of a width that is not a multiple of ``4 * heads`` (Cora's 1,433
+    words): the heads read them zero-padded, the maps read them as they are."""
+    layer = _layer(13, 3, 2)
+    x = torch.randn(17, 13, dtype=torch.float64)
+    _compare(layer, x, _graph(17, 50, seed=8), interpret)
+
+
 @pytest.mark.parametrize("heads", [2, 4])
 def test_the_mean_over_heads(interpret, heads):
     """``concat=False`` (the output layer of a GAT-like model): the mean over
@@ -190,7 +198,9 @@ def test_where_the_one_operator_does_not_apply(interpret):
         "parameters of another dtype than the features"
     assert layer.fused_layer_reason((x, x), edge_index) == "bipartite input"
     assert layer.fused_layer_reason(x.view(2, 5, 16), edge_index) == "batched [B, N, C] input"
-    assert layer.fused_layer_reason(torch.randn(10, 12), edge_index).startswith("no nodes")
+    assert layer.fused_layer_reason(torch.randn(10, 12), edge_index).startswith(
+        "features of another width")
+    assert layer.fused_layer_reason(torch.randn(0, 16), edge_index) == "no nodes"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer.fused_layer_reason(x, edge_index).startswith("autocast")
     wide = QSVConv(16, 1024, heads=1, check_finite=False)  # a [1, 4, 1024] tile fits

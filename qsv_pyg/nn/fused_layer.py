@@ -55,6 +55,13 @@ def _project(z: Tensor, weight: Tensor, mean: bool) -> Tensor:
     return proj.mean(0) if mean else proj.transpose(0, 1).reshape(z.size(0), -1)
 
 
+def _values(x: Tensor, weight: Tensor) -> Tensor:
+    """``x`` zero-padded to the ``H C`` channels the heads read (QSVConv's
+    ``pad_source``), or ``x`` itself."""
+    width = weight.size(0) * weight.size(1)
+    return x if x.size(-1) == width else F.pad(x, (0, width - x.size(-1)))
+
+
 def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
               log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
               rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor,
@@ -65,43 +72,49 @@ def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Te
     N = x.size(0)
     H, C, _ = weight.shape
     q = unit_quaternion(F.linear(x, w_cat[:4 * H], b_quat).view(N, H, 4), EPS)
-    z, alpha, _, _, _ = attend(x.reshape(N, H, C // 4, 4), q, q, q, q, log_beta.exp(), scale,
+    v = _values(x, weight).reshape(N, H, C // 4, 4)
+    z, alpha, _, _, _ = attend(v, q, q, q, q, log_beta.exp(), scale,
                                x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
                                False, True)
     return _project(z.view(N, H, C), weight, mean) + F.linear(x, w_cat[4 * H:]) + bias, alpha
 
 
-Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Tensors8 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.library.custom_op("qsv_pyg::attend_layer", mutates_args=())
 def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
                  log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
-                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, mean: bool) -> Tensors7:
-    """``(out, alpha, h, qn, u, y, z)``: the output ``[N, H F]`` (with ``mean``,
+                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, mean: bool) -> Tensors8:
+    """``(out, alpha, h, qn, u, y, z, v)``: the output ``[N, H F]`` (with ``mean``,
     ``concat=False``: the mean over heads ``[N, F]``), the weights
     ``[E, H]`` in the graph's target-sorted order, and what the backward reads
     (``h = x w_cat^T``, the unit quaternions, the rotated sources, the
-    aggregate before and after the target's rotation). ``w_cat``: the
-    quaternion map's matrix over the root weight's, ``[4 H + H F, 4 H M]``;
+    aggregate before and after the target's rotation; ``v``, the features
+    zero-padded to ``H C`` channels, when they need it, else empty). ``x``:
+    ``[N, F_in]``, ``F_in <= H C``; ``w_cat``: the quaternion map's matrix over
+    the root weight's, ``[4 H + H F, F_in]``;
     ``scale``: the per-edge scale ``[E, H]`` of the aggregation in the graph's
     target-sorted order (attention dropout's mask; a constant), or empty."""
+    x = x.contiguous()
+    v = _values(x, weight)
+    padded = v if v is not x else x.new_empty(0)  # (an output must not alias an input)
     if triton_kernel.available(x):
-        return triton_layer.forward(x.contiguous(), w_cat.contiguous(), b_quat.contiguous(),
-                                    bias.contiguous(), weight.contiguous(),
-                                    log_beta.contiguous(), scale.contiguous(), rowptr, col,
-                                    mean, EPS)
+        return (*triton_layer.forward(x, v, w_cat.contiguous(), b_quat.contiguous(),
+                                      bias.contiguous(), weight.contiguous(),
+                                      log_beta.contiguous(), scale.contiguous(), rowptr, col,
+                                      mean, EPS), padded)
     # Elsewhere (no Triton) the composition itself.
     from .qsv_kernel import attend
     N, H = x.size(0), weight.size(0)
     C = weight.size(1)
     h = torch.mm(x, w_cat.t())  # (as on the Triton path: the quaternion bias added after)
     qn = unit_quaternion(h[:, :4 * H].add(b_quat).view(N, H, 4), EPS)
-    z, alpha, u, y, _ = attend(x.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
+    z, alpha, u, y, _ = attend(v.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
                                scale, x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t,
                                row_t, False, True)
     out = _project(z.view(N, H, C), weight, mean) + h[:, 4 * H:] + bias
-    return out, alpha, h, qn, u, y, z
+    return out, alpha, h, qn, u, y, z, padded
 
 
 @attend_layer.register_fake
@@ -112,8 +125,10 @@ def _(x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_
     E = col.size(0)
     feats = x.new_empty(N, H, C // 4, 4)
     root = Fo if mean else H * Fo
+    padded = x.new_empty(N, H * C) if x.size(1) != H * C else x.new_empty(0)
     return (x.new_empty(N, root), x.new_empty(E, H), x.new_empty(N, 4 * H + root),
-            x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), x.new_empty(feats.shape))
+            x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), x.new_empty(feats.shape),
+            padded)
 
 
 def _setup_context(ctx, inputs, output):
@@ -124,58 +139,58 @@ def _setup_context(ctx, inputs, output):
 
 
 @torch.library.custom_op("qsv_pyg::attend_layer_backward", mutates_args=())
-def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], x: Tensor, w_cat: Tensor,
+def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], v: Tensor, w_cat: Tensor,
                           b_quat: Tensor, weight: Tensor, log_beta: Tensor, scale: Tensor,
                           rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
-                          perm_t: Tensor,
-                          row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
+                          perm_t: Tensor, row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
                           y: Tensor, need_v: bool, mean: bool) -> Tuple[Tensor, Tensor]:
-    """``(gv, gh)``: d x through the attention's values ``[N, 4 H M]`` (empty
-    unless ``need_v``) and the buffer ``gh`` ``[N, 4H + HF + H]`` whose row sum
-    holds the quaternion bias's, the bias's and log beta's gradients and whose
-    first ``4H + HF`` columns are d h (:mod:`qsv_pyg.nn.triton_layer`)."""
-    if triton_kernel.available(x):
-        gv, gh = triton_layer.backward(g.contiguous(), galpha, x.contiguous(), h,
+    """``(gv, gh)``: the gradient of the attention's values ``v`` ``[N, H C]``
+    (the features, padded; empty unless ``need_v``) and the buffer ``gh``
+    ``[N, 4H + R + H]`` (``R``: the output width) whose row sum holds the
+    quaternion bias's, the bias's and log beta's gradients and whose first
+    ``4H + R`` columns are d h (:mod:`qsv_pyg.nn.triton_layer`)."""
+    if triton_kernel.available(v):
+        gv, gh = triton_layer.backward(g.contiguous(), galpha, v.contiguous(), h,
                                        b_quat.contiguous(), weight.contiguous(),
                                        log_beta.contiguous(), scale.contiguous(), rowptr, col,
                                        rowptr_t, perm_t, row_t, alpha, qn, u, y, need_v, mean,
                                        EPS)
-        return gv.view(x.shape) if need_v else gv, gh
+        return gv.view(v.shape) if need_v else gv, gh
     # Elsewhere: autograd of the composition for the same buffer (log beta's
     # whole gradient in the first row).
     from .qsv_kernel import attend
-    N = x.size(0)
+    N = v.size(0)
     H, C, Fo = weight.shape
     with torch.enable_grad():
-        xv = x.detach().requires_grad_(True)
+        vv = v.detach().requires_grad_(True)
         hq = h[:, :4 * H].add(b_quat).detach().requires_grad_(True)
         lb = log_beta.detach().requires_grad_(True)
         q = unit_quaternion(hq.view(N, H, 4), EPS)
-        z, a, _, _, _ = attend(xv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
-                               x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
+        z, a, _, _, _ = attend(vv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
+                               v.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
                                False, True)
         outs, grads = [_project(z.view(N, H, C), weight.detach(), mean)], [g]
         if galpha is not None:
             outs.append(a)
             grads.append(galpha)
-        gv, ghq, glb = torch.autograd.grad(outs, [xv, hq, lb], grads, allow_unused=True)
-    gbeta = torch.zeros(N, H, dtype=x.dtype, device=x.device)
+        gv, ghq, glb = torch.autograd.grad(outs, [vv, hq, lb], grads, allow_unused=True)
+    gbeta = torch.zeros(N, H, dtype=v.dtype, device=v.device)
     gbeta[:1] = glb
     gh = torch.cat([ghq, g, gbeta], dim=1)
-    return gv if need_v else x.new_empty(0), gh
+    return gv if need_v else v.new_empty(0), gh
 
 
 @attend_layer_backward.register_fake
-def _(g, galpha, x, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
+def _(g, galpha, v, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
       row_t, alpha, h, qn, u, y, need_v, mean):
     H, _, Fo = weight.shape
-    return (x.new_empty(x.shape) if need_v else x.new_empty(0),
-            x.new_empty(x.size(0), 4 * H + (Fo if mean else H * Fo) + H))
+    return (v.new_empty(v.shape) if need_v else v.new_empty(0),
+            v.new_empty(v.size(0), 4 * H + (Fo if mean else H * Fo) + H))
 
 
 def _backward(ctx, g_out, g_alpha, *_unused):
     (x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
-     row_t, alpha, h, qn, u, y, z) = ctx.saved_tensors
+     row_t, alpha, h, qn, u, y, z, padded) = ctx.saved_tensors
     need, mean = ctx.needs_input_grad, ctx.mean
     graph = (rowptr, col, row, rowptr_t, perm_t, row_t)
     if g_out is None and g_alpha is None:
@@ -198,8 +213,9 @@ def _backward(ctx, g_out, g_alpha, *_unused):
     N, width = x.shape
     H, C, Fo = weight.shape
     g_out = g_out.contiguous()
+    v = padded if padded.numel() else x.contiguous()  # the attention's values
     gv, gh = attend_layer_backward(g_out, None if g_alpha is None else g_alpha.contiguous(),
-                                   x, w_cat, b_quat, weight, log_beta, scale, *graph, alpha, h,
+                                   v, w_cat, b_quat, weight, log_beta, scale, *graph, alpha, h,
                                    qn, u, y, need[0], mean)
     rows = w_cat.size(0)  # 4 H + the root width (H F, or F for the mean)
     gx = gw_cat = gb_quat = gbias = gweight = glog_beta = None
@@ -212,8 +228,8 @@ def _backward(ctx, g_out, g_alpha, *_unused):
     elif need[4]:  # d W_h = z_h^T g_h, both read strided
         gweight = torch.bmm(z.view(N, H, C).permute(1, 2, 0),
                             g_out.view(N, H, Fo).transpose(0, 1))
-    if need[0]:  # d x = d v + gh [W_q; W_r]
-        gx = torch.addmm(gv, gh[:, :rows], w_cat)
+    if need[0]:  # d x = d v (less its padding) + gh [W_q; W_r]
+        gx = torch.addmm(gv[:, :width] if padded.numel() else gv, gh[:, :rows], w_cat)
     if need[1]:
         gw_cat = torch.mm(gh[:, :rows].t(), x)
     return (gx, gw_cat, gb_quat if need[2] else None, gbias if need[3] else None, gweight,

@@ -186,8 +186,11 @@ class FusedPathMixin:
         if any(isinstance(p, UninitializedParameter)
                for p in (self.weight, self.lin_quat.weight, self.lin_skip.weight)):
             return "a lazy layer before its first call"
-        if x.size(0) == 0 or x.size(1) != self.weight.size(0) * self.weight.size(1):
-            return "no nodes, or features padded to a multiple of 4 * heads"
+        if x.size(0) == 0:
+            return "no nodes"
+        if self._padded(x.size(1)) != self.weight.size(0) * self.weight.size(1) or \
+                x.size(1) != self.lin_quat.weight.size(1):
+            return "features of another width than the layer's (the composed path says why)"
         if self._checks_finite(x):
             return "check_finite (checked on the composed path)"
         if any(p.dtype != x.dtype for p in (self.weight, self.lin_quat.weight,

@@ -67,23 +67,24 @@ def fits(x: Tensor, heads: int, out_channels: int, mean: bool = False) -> bool:
 
 
 @_on_device
-def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
+def forward(x: Tensor, v: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
             log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, mean: bool,
             eps: float):
     """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]`` (``[N,
     F]``, the mean over heads, with ``mean``), the
     weights ``[E, H]`` (target-sorted order) and what the backward reads.
     ``scale``: the per-edge scale ``[E, H]`` of the aggregation (attention
-    dropout's mask), or empty for none."""
-    N, width = x.shape
+    dropout's mask), or empty for none. ``v``: ``x`` zero-padded to ``H C``
+    channels (``x`` itself when no padding is needed), the attention's values."""
+    N = x.size(0)
     H, C, Fo = weight.shape
-    s = _setup(x, H)
+    s = _setup(v, H)
     E = col.numel()
     _check_graph(rowptr, col, N)
     scaled = _check_scale(scale, E, H)
     h = torch.mm(x, w_cat.t())  # [N, 4H + H F]: raw quaternions, root term
     qn = x.new_empty(N, H, 4)
-    v = x.view(N, H, s.M, 4)
+    v = v.view(N, H, s.M, 4)
     u, y, z = torch.empty_like(v), torch.empty_like(v), torch.empty_like(v)
     alpha = x.new_empty(E, H)
     dot = x.new_empty(E, H)
@@ -109,27 +110,27 @@ def forward(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tens
 
 
 @_on_device
-def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Tensor,
+def backward(g: Tensor, galpha, v: Tensor, h: Tensor, b_quat: Tensor, weight: Tensor,
              log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor,
-             perm_t: Tensor,
-             row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
+             perm_t: Tensor, row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
              mean: bool, eps: float):
-    """``(gv, gh)``: d v ``[N, H M 4]`` (empty unless ``need_v``) and the buffer
+    """``(gv, gh)``: d v ``[N, H M 4]`` (the values ``v``: the features, padded to
+    ``H C`` channels; empty unless ``need_v``) and the buffer
     ``gh`` ``[N, 4H + R + H]`` (d h_q through the normalisation, the output
     gradient, d log beta per target), whose row sum and matmuls the caller takes."""
-    N, width = x.shape
+    N, width = v.shape
     H, C, Fo = weight.shape
-    s = _setup(x, H)
+    s = _setup(v, H)
     E = col.numel()
     scaled = _check_scale(scale, E, H)
     g = g.contiguous()
     galpha = None if galpha is None else galpha.contiguous()
     root = Fo if mean else H * Fo
-    gh = x.new_empty(N, 4 * H + root + H)
+    gh = v.new_empty(N, 4 * H + root + H)
     gz = torch.empty_like(u)
-    gv = torch.empty_like(u) if need_v else x.new_empty(0)
-    ga_buf, gd = x.new_empty(E, H), x.new_empty(E, H)
-    gqd, gkd, gks = (x.new_empty(N, H, 4) for _ in range(3))
+    gv = torch.empty_like(u) if need_v else v.new_empty(0)
+    ga_buf, gd = v.new_empty(E, H), v.new_empty(E, H)
+    gqd, gkd, gks = (v.new_empty(N, H, 4) for _ in range(3))
     if N:
         BF = _pow2(Fo)
         degree = degree_bucket(E, N)
@@ -141,19 +142,19 @@ def backward(g: Tensor, galpha, x: Tensor, h: Tensor, b_quat: Tensor, weight: Te
                 gh.stride(0), 4 * H, 4 * H + root, gqd, gkd, H, s.M, Fo, N,
                 HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, MEAN=mean, ACC=s.acc,
                 BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
-        launch_tuned(tuning_key("layer_backward_rows", x.device, x.dtype, s, degree,
+        launch_tuned(tuning_key("layer_backward_rows", v.device, v.dtype, s, degree,
                                 {"F": Fo, "HAS_GALPHA": galpha is not None,
                                  "HAS_SCALE": scaled, "MEAN": mean}),
-                     candidates(s, degree), launch_a, x.device)
+                     candidates(s, degree), launch_a, v.device)
 
         def launch_b(c: Config):
             s.k.layer_backward_cols[(-(-N // c.TARGETS), s.head_tiles)](
-                gz, x, qn, alpha, scale if scaled else alpha, gd, rowptr_t, perm_t, row_t,
+                gz, v, qn, alpha, scale if scaled else alpha, gd, rowptr_t, perm_t, row_t,
                 gv if need_v else gz, gh, gh.stride(0), gks, gqd, gkd, h, b_quat, h.stride(0), H,
                 s.M, N, NEED_V=need_v, HAS_SCALE=scaled, EPS=float(eps),
                 ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, TARGETS=c.TARGETS,
                 num_warps=c.warps)
-        launch_tuned(tuning_key("layer_backward_cols", x.device, x.dtype, s, degree,
+        launch_tuned(tuning_key("layer_backward_cols", v.device, v.dtype, s, degree,
                                 {"NEED_V": need_v, "HAS_SCALE": scaled}), candidates(s, degree),
-                     launch_b, x.device)
+                     launch_b, v.device)
     return gv, gh
