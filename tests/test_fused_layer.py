@@ -319,3 +319,35 @@ def test_torch_compile_keeps_the_one_operator(interpret):
     torch._dynamo.reset()
     torch.compile(layer, backend=record)(x, edge_index)
     assert any("attend_layer" in code for code in graphs), graphs
+
+
+def test_a_gat_like_model_runs_on_the_one_operator(interpret):
+    """``nn.models.QSV`` as a GAT on Cora is configured (padded input width,
+    attention dropout in training, the heads averaged in the last layer): every
+    conv takes the one operator, and the model's output and gradients are the
+    composed path's."""
+    from qsv_pyg.nn.models import QSV
+    torch.manual_seed(0)
+    model = QSV(13, 16, num_layers=2, out_channels=5, heads=2, dropout=0.3,
+                check_finite=False).double()
+    model.train()
+    x = torch.randn(23, 13, dtype=torch.float64)
+    edge_index = _graph(23, 70, seed=9)
+    assert all(conv.fused_layer_reason(t, edge_index) is None for conv, t in
+               ((model.convs[0], x), (model.convs[1], torch.randn(23, 16).double())))
+
+    def step():
+        torch.manual_seed(3)  # the same dropout masks
+        model.zero_grad(set_to_none=True)
+        out = model(x, edge_index)
+        out.pow(2).sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    calls = triton_kernel.CALLS["forward"]
+    fused = step()
+    assert triton_kernel.CALLS["forward"] == calls
+    interpret.setenv(fused_layer.FUSED_LAYER_ENV, "0")
+    composed = step()
+    torch.testing.assert_close(fused[0], composed[0], atol=1e-10, rtol=1e-10)
+    for a, b in zip(fused[1], composed[1]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
