@@ -125,6 +125,27 @@ def test_attention_dropout(interpret):
     assert (alpha == 0).any()  # some weights were dropped
 
 
+def test_under_autocast(interpret):
+    """bf16 autocast with float32 features: the one operator runs in float32
+    (the composed path's matmuls run in bf16: equal to bf16's precision), and
+    the output is float32 on both paths."""
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(15, 16)
+    edge_index = _graph(15, 50, seed=10)
+    results = []
+    for env in ("1", "0"):
+        interpret.setenv(fused_layer.FUSED_LAYER_ENV, env)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_step(layer, x, edge_index))
+    (out, alpha, grads), (out_c, alpha_c, grads_c) = results
+    assert out.dtype == out_c.dtype == torch.float32
+    torch.testing.assert_close(out, out_c, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(alpha, alpha_c.to(alpha.dtype), atol=2e-2, rtol=2e-2)
+    for name in grads:
+        scale = grads_c[name].abs().max().item() + 1e-6
+        assert (grads[name] - grads_c[name]).abs().max().item() <= 5e-2 * scale, name
+
+
 def test_float32_and_tuned_configurations(interpret):
     """float32, and every launch configuration the autotune tries (several rows
     per program, shorter steps, more warps), as on a GPU."""
@@ -202,7 +223,8 @@ def test_where_the_one_operator_does_not_apply(interpret):
         "features of another width")
     assert layer.fused_layer_reason(torch.randn(0, 16), edge_index) == "no nodes"
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert layer.fused_layer_reason(x, edge_index).startswith("autocast")
+        assert layer.fused_layer_reason(x, edge_index) is None  # float32 features
+        assert layer.fused_layer_reason(x.bfloat16(), edge_index).startswith("autocast")
     wide = QSVConv(16, 1024, heads=1, check_finite=False)  # a [1, 4, 1024] tile fits
     assert wide.fused_layer_reason(x, edge_index) is None
     wider = QSVConv(64, 2048, heads=1, check_finite=False)  # [1, 16, 2048] does not

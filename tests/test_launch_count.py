@@ -17,7 +17,8 @@ by the test:
   backward 2 Triton kernels, one row ``sum`` (the quaternion bias, bias and
   log beta at once), ``bmm`` (d W_h), ``addmm`` (d x) and ``mm`` (d W). Issue
   32's aim is <= 10. The same 10 with the heads averaged (``concat=False``,
-  ``"qsv-mean"``; d W_h by one ``addmm``). It was 26 (28 with the test's own ``sum`` and
+  ``"qsv-mean"``; d W_h by one ``addmm``), and under bf16 autocast with float32
+  features (``"qsv-bf16"``: the one operator runs in float32). It was 26 (28 with the test's own ``sum`` and
   ``ones_like``, as counted before) composing ``qsv_pyg::attend`` with the
   layer's PyTorch ops, and 46 before issue 32's launch work.
 * ``"qsv-field"`` (given quaternions: a composition, as every configuration
@@ -63,11 +64,13 @@ OPERATOR_KERNELS = {
             "layer_backward_cols"),
     "qsv-mean": ("layer_rotate_rows", "layer_forward_rows", "layer_backward_rows",
                  "layer_backward_cols"),
+    "qsv-bf16": ("layer_rotate_rows", "layer_forward_rows", "layer_backward_rows",
+                 "layer_backward_cols"),
     "qsv-field": ("unit_rows", "rotate_rows", "forward_rows", "backward_rows",
                   "backward_cols"),
 }
-OPERATOR_ATEN = {"qsv": 1, "qsv-mean": 1, "qsv-field": 1}
-LAYER_BOUND = {"qsv": 10, "qsv-mean": 10, "qsv-field": 20}
+OPERATOR_ATEN = {"qsv": 1, "qsv-mean": 1, "qsv-bf16": 1, "qsv-field": 1}
+LAYER_BOUND = {"qsv": 10, "qsv-mean": 10, "qsv-bf16": 10, "qsv-field": 20}
 
 
 class _Count(TorchDispatchMode):
@@ -90,7 +93,10 @@ def _count(name: str):
         from qsv_pyg.nn import QSVConv
         layer = QSVConv(64, 16, heads=4, concat=False, check_finite=False)
     else:
-        layer = make_layer(name, 64, 4)
+        layer = make_layer("qsv" if name == "qsv-bf16" else name, 64, 4)
+    # "qsv-bf16": under bf16 autocast, float32 features (the layer's output is
+    # float32 under autocast: the next layer's input)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "qsv-bf16")
     x = torch.randn(64, 64, requires_grad=True)
     quat = torch.randn(64, 4, 4) if name == "qsv-field" else None
     grad = torch.randn(64, 16 if name == "qsv-mean" else 64)
@@ -114,13 +120,15 @@ def _count(name: str):
                 mp.setattr(module, "forward", counted(module.forward))
                 mp.setattr(module, "backward", counted(module.backward))
             with total:
-                layer(x, edge_index, quat=quat).backward(grad)
+                with amp:
+                    out = layer(x, edge_index, quat=quat)
+                out.backward(grad)
     # (the inner mode takes the operators' own ops: the outer one does not see them)
     return [v[0] for v in sink], sum(inside.ops.values()), sum(total.ops.values()), \
         inside.ops, total.ops
 
 
-@pytest.mark.parametrize("name", ["qsv", "qsv-mean", "qsv-field"])
+@pytest.mark.parametrize("name", ["qsv", "qsv-mean", "qsv-bf16", "qsv-field"])
 def test_qsvconv_launch_count_on_the_triton_path(name, capsys):
     kernels, operator_aten, layer_aten, inside, total = _count(name)
     triton_launches = len(kernels)

@@ -237,6 +237,8 @@ def _backward(ctx, g_out, g_alpha, *_unused):
 
 
 attend_layer.register_autograd(_backward, setup_context=_setup_context)
+for _device in ("cpu", "cuda"):  # a float32 operator under autocast, as qsv_pyg::attend
+    torch.library.register_autocast("qsv_pyg::attend_layer", _device, torch.float32)
 
 
 def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
@@ -268,15 +270,17 @@ def qsv_attend_layer(x: Tensor, w_quat: Tensor, b_quat: Tensor, w_root: Tensor,
 
 def unavailable(x: Tensor) -> Optional[str]:
     """Why the operator cannot take features like ``x`` (None: it can): it runs
-    float32/float64 features on the Triton path outside autocast."""
+    float32/float64 features on the Triton path; under autocast float32 ones, as
+    a float32 operator (the layer's output is float32 under autocast either way;
+    half-precision features compose, which keeps them in half precision)."""
     if not enabled():
         return f"{FUSED_LAYER_ENV}=0"
     if not triton_kernel.available(x):
         return "not on the Triton path"
+    if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float32:
+        return f"autocast with {x.dtype} features (float32 only)"
     if x.dtype not in (torch.float32, torch.float64):
         return f"{x.dtype} features (float32 / float64 only)"
-    if torch.is_autocast_enabled(x.device.type):
-        return "autocast (the composed path keeps half-precision storage)"
     return None
 
 

@@ -151,15 +151,14 @@ class FusedPathMixin:
                            pos=None, size=None) -> Optional[str]:
         """Why a call does not run as the one operator of the whole layer,
         ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`: 10 launches per
-        forward+backward on the Triton path instead of 28), or :obj:`None` when it
+        forward+backward on the Triton path instead of 26), or :obj:`None` when it
         does. It takes the default layer on the Triton path: feature quaternions,
-        learned routing, the sandwich transport, root weight, bias, 2-D
-        float32/float64 input of a width divisible by ``4 * heads``
-        over a homogeneous graph that :meth:`choose_path` gives the operator
-        (attention dropout included), no edge terms, no finiteness check, no
-        autocast.
-        Everything else composes ``qsv_pyg::attend`` with the layer's own ops
-        (the same result)."""
+        learned routing, the sandwich transport, root weight and bias, the heads
+        concatenated or averaged, 2-D float32/float64 input (float32 under
+        autocast) of any width over a homogeneous graph that :meth:`choose_path`
+        gives the operator, attention dropout included; no edge terms, no
+        finiteness check. Everything else composes ``qsv_pyg::attend`` with the
+        layer's own ops (the same result)."""
         from torch.nn.parameter import UninitializedParameter
         if not isinstance(x, Tensor):
             return "bipartite input"
@@ -208,9 +207,11 @@ class FusedPathMixin:
         n = x.size(0)
         graph = graph_csr(edge_index, n, n)
         mask = self._dropout_mask(graph.col.numel(), x)
-        out, alpha = fused_layer.qsv_attend_layer(
-            x, self.lin_quat.weight, self.lin_quat.bias, self.lin_skip.weight, self.bias,
-            self.weight, self.log_beta, graph, edge_scale=mask, concat=self.concat)
+        # A float32 operator (under autocast too: its inputs are float32 already)
+        with torch.autocast(x.device.type, enabled=False):
+            out, alpha = fused_layer.qsv_attend_layer(
+                x, self.lin_quat.weight, self.lin_quat.bias, self.lin_skip.weight, self.bias,
+                self.weight, self.log_beta, graph, edge_scale=mask, concat=self.concat)
         if want_alpha:  # in edge order, the weights used, as GATConv returns them
             used = alpha if mask is None else alpha * mask
             return out, (edge_index, torch.empty_like(used).index_copy_(0, graph.perm, used))
