@@ -303,15 +303,21 @@ def test_the_benchmarks_composed_layer_composes(interpret):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_one_operator_on_a_gpu(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,kw", [
+    (torch.float64, {}), (torch.float32, {}),
+    (torch.float32, dict(concat=False, dropout=0.3, width=61)),  # averaged, dropout, padded
+])
+def test_the_one_operator_on_a_gpu(monkeypatch, dtype, kw):
     """The compiled kernels on a GPU against the composed path (``pytest -m
     cuda``: run_gpu.sh's cuda-tests step), one launch configuration (no tuning:
-    a cold cache compiles each kernel once per dtype)."""
+    a cold cache compiles each kernel once per variant)."""
     monkeypatch.setenv(tt.AUTOTUNE_ENV, "0")
     monkeypatch.delenv(fused_layer.FUSED_LAYER_ENV, raising=False)
-    layer = _layer(channels=64, out=16, heads=4, dtype=dtype).cuda()
-    x = torch.randn(300, 64, dtype=dtype).cuda()
+    kw = dict(kw)
+    width = kw.pop("width", 64)
+    layer = _layer(channels=width, out=16, heads=4, dtype=dtype, **kw).cuda()
+    layer.train()
+    x = torch.randn(300, width, dtype=dtype).cuda()
     gen = torch.Generator().manual_seed(4)
     edge_index = torch.randint(0, 300, (2, 3000), generator=gen).cuda()
     _compare(layer, x, edge_index, monkeypatch,
