@@ -559,7 +559,7 @@ def test_kernels_compile_for_a_gpu():
         (k.unit_rows_backward, dict(q=a, g=a, out=a, R="i32"),
          dict(EPS=1e-8, ACC=tl.float32, BR=256)),
         # the layer's fused kernels (qsv_pyg.nn.fused_layer: float32 / float64 only)
-        (k.layer_rotate_rows, dict(v=a, h_raw=a, bq=a, qn=a, u=a, R="i32", H="i32", M="i32",
+        (k.layer_rotate_rows, dict(v=a, h_raw=a, bq=a, qn=a, nrm=a, u=a, R="i32", H="i32", M="i32",
                                    h_sn="i32"), dict(EPS=1e-8, ACC=tl.float32, BR=64, BM=4)),
         (k.layer_forward_rows, dict(src=a, qn=a, log_beta=a, scale=a, rowptr=i, col=i,
                                     y_out=a, z_out=a, alpha_out=a, dot_out=a, w=a, h_raw=a,
@@ -573,8 +573,8 @@ def test_kernels_compile_for_a_gpu():
         (k.layer_backward_cols, dict(gz=a, v=a, qn=a, alpha=a, scale=a, gd=a, rowptr_t=i,
                                      perm_t=i, row_t=i, gv=a, gh=a, gh_sn="i32", gks=a,
                                      gqd=a, gkd=a,
-                                     h_raw=a, bq=a, h_sn="i32", H="i32", M="i32", N="i32"),
-         dict(NEED_V=True, HAS_SCALE=True, EPS=1e-8, **blocks)),
+                                     nrm=a, H="i32", M="i32", N="i32"),
+         dict(NEED_V=True, HAS_SCALE=True, **blocks)),
     ]
     for fn, sig, consts in specs:
         sig = {**sig, **{name: "constexpr" for name in consts}}

@@ -140,8 +140,8 @@ def rotate_rows(v, q, out, R, M, TRANSPOSE: tl.constexpr, ACC: tl.constexpr,
 def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out,
                  alpha_out, dot_out, H, M, D, USE_ABS: tl.constexpr, ROTATE: tl.constexpr,
                  HAS_KEYS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 LOG_BETA: tl.constexpr, ACC: tl.constexpr, BE: tl.constexpr,
-                 BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                 LOG_BETA: tl.constexpr, STORE_Y: tl.constexpr, ACC: tl.constexpr,
+                 BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
@@ -211,7 +211,8 @@ def _forward_row(i, valid, N, src, qd, ks, kd, beta, scale, bias, rowptr, col, y
     off_i = i * H * M * 4 + offs_h[:, None] * (M * 4) + offs_m[None, :] * 4
     mask_i = hm[:, None] & mm[None, :]
     if ROTATE:
-        _store4(y_out, off_i, mask_i, y0, y1, y2, y3)
+        if STORE_Y:  # (else the backward recomputes y = Q_i z)
+            _store4(y_out, off_i, mask_i, y0, y1, y2, y3)
         qw, qx, qy, qz = _load4(qd, i * H * 4 + offs_h * 4, hm, ACC)
         y0, y1, y2, y3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], y0, y1,
                                  y2, y3, True)
@@ -261,8 +262,8 @@ def forward_rows(src, qd, ks, kd, beta, scale, bias, rowptr, col, y_out, z_out, 
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
         z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qd, ks, kd, beta, scale, bias, rowptr,
                                       col, y_out, z_out, alpha_out, dot_out, H, M, D, USE_ABS,
-                                      ROTATE, HAS_KEYS, HAS_SCALE, HAS_BIAS, False, ACC, BE,
-                                      BH, BM, BD)
+                                      ROTATE, HAS_KEYS, HAS_SCALE, HAS_BIAS, False, True, ACC,
+                                      BE, BH, BM, BD)
 
 
 @triton.jit
@@ -272,7 +273,7 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
                   HAS_KEYS: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_SCALE: tl.constexpr,
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, NEED_BIAS: tl.constexpr,
                   PROJECT: tl.constexpr, MEAN: tl.constexpr, LOG_BETA: tl.constexpr,
-                  ACC: tl.constexpr,
+                  Y_FROM_Z: tl.constexpr, ACC: tl.constexpr,
                   BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                   BF: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -361,6 +362,9 @@ def _backward_row(i, valid, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr,
                  gk.to(gkd.dtype.element_ty), mask=hd)
     if NEED_Q:  # z = Q_i^T y  =>  dL/dQ_i = sum_m y_m gz_m^T
         y0, y1, y2, y3 = _load4(y, off_i, mask_i, ACC)
+        if Y_FROM_Z:  # ``y`` holds z: y = Q_i z (Q Q^T = |q|^4 = 1 for a unit q_i)
+            y0, y1, y2, y3 = _rotate(qw[:, None], qx[:, None], qy[:, None], qz[:, None], y0,
+                                     y1, y2, y3, False)
         dw, dx, dy, dz = _quat_grad(qw, qx, qy, qz, y0, y1, y2, y3, c0, c1, c2, c3)
         _store4(gqd, i * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
 
@@ -387,7 +391,8 @@ def backward_rows(gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, 
         _backward_row(i, i < N, N, gz, galpha, src, qd, ks, kd, beta, scale, rowptr, col, alpha, y,
                       ga_buf, gd, glogit, gbeta_part, gqd, gkd, H, M, D, gz_sn, gz_sh, H,
                       gz, gz, gz, 0, 0, 0, USE_ABS, ROTATE, HAS_KEYS, HAS_GALPHA, HAS_SCALE,
-                      NEED_Q, NEED_K, NEED_BIAS, False, False, False, ACC, BE, BH, BM, BD, 1)
+                      NEED_Q, NEED_K, NEED_BIAS, False, False, False, False, ACC, BE, BH, BM,
+                      BD, 1)
 
 
 @triton.jit
@@ -397,7 +402,7 @@ def _backward_col(j, valid, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, pe
                   NEED_Q: tl.constexpr, NEED_K: tl.constexpr, SUM_QD: tl.constexpr,
                   SUM_KD: tl.constexpr, KEYS_INTO_Q: tl.constexpr, ACC: tl.constexpr,
                   BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                  h_raw, bq, h_sn, gq_sn, UNIT: tl.constexpr, EPS: tl.constexpr):
+                  nrm, gq_sn, UNIT: tl.constexpr):
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
@@ -472,9 +477,9 @@ def _backward_col(j, valid, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, pe
                 dx += tl.reduce(tl.where(col_d == 1, gk, 0.0), 1, _ADD)
                 dy += tl.reduce(tl.where(col_d == 2, gk, 0.0), 1, _ADD)
                 dz += tl.reduce(tl.where(col_d == 3, gk, 0.0), 1, _ADD)
-            if UNIT:  # qs = unit(h_j + bq): the normalisation's gradient, into h's rows
-                dw, dx, dy, dz = _unit_grad(h_raw, bq, j * h_sn + offs_h * 4, offs_h * 4, hm,
-                                            dw, dx, dy, dz, EPS, ACC)
+            if UNIT:  # qs = unit(raw q_j): the normalisation's gradient, into gqs's rows
+                dw, dx, dy, dz = _unit_grad(nrm, j * H + offs_h, hm, qw, qx, qy, qz, dw, dx,
+                                            dy, dz, ACC)
                 _store4(gqs, j * gq_sn + offs_h * 4, hm, dw, dx, dy, dz)
             else:
                 _store4(gqs, j * H * 4 + offs_h * 4, hm, dw, dx, dy, dz)
@@ -506,7 +511,7 @@ def backward_cols(gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, 
         _backward_col(j, j < N, N, gz, v, qs, qd, kd, alpha, scale, gd, rowptr_t, perm_t, row_t, gv,
                       gqs, gks, gqd, gkd, H, M, D, gz_sn, gz_sh, ROTATE, HAS_SCALE, NEED_U,
                       NEED_V, NEED_Q, NEED_K, SUM_QD, SUM_KD, KEYS_INTO_Q, ACC, BE, BH, BM,
-                      BD, gqs, gqs, 0, 0, False, 0.0)
+                      BD, gqs, 0, False)
 
 
 @triton.jit
@@ -567,28 +572,32 @@ def _unit(h_raw, bq, off, boff, mask, EPS: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _unit_grad(h_raw, bq, off, boff, mask, dw, dx, dy, dz, EPS: tl.constexpr,
-               ACC: tl.constexpr):
-    """The gradient through :func:`_unit` of ``d`` (as :func:`unit_rows_backward`)."""
-    w, x, y, z, n, small = _unit(h_raw, bq, off, boff, mask, EPS, ACC)
+def _unit_grad(nrm, off, mask, w, x, y, z, dw, dx, dy, dz, ACC: tl.constexpr):
+    """The gradient through :func:`_unit` of ``d`` (as :func:`unit_rows_backward`),
+    from the unit quaternion ``w..z`` and its saved divisor ``nrm[off]`` (negative
+    where the identity was taken: gradient 0)."""
+    n = tl.load(nrm + off, mask=mask, other=1).to(ACC)
+    small = n < 0
     d = w * dw + x * dx + y * dy + z * dz
     return (tl.where(small, 0.0, (dw - w * d) / n), tl.where(small, 0.0, (dx - x * d) / n),
             tl.where(small, 0.0, (dy - y * d) / n), tl.where(small, 0.0, (dz - z * d) / n))
 
 
 @triton.jit
-def layer_rotate_rows(v, h_raw, bq, qn, u, R, H, M, h_sn, EPS: tl.constexpr,
+def layer_rotate_rows(v, h_raw, bq, qn, nrm, u, R, H, M, h_sn, EPS: tl.constexpr,
                       ACC: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
     """For ``BR`` of the ``R = N H`` rows (node, head): the unit quaternion
-    ``qn = unit(h_n + bq)`` (stored: the row kernels read it) and the rotated
-    source ``u = Q(qn) v``."""
+    ``qn = unit(h_n + bq)`` (stored: the row kernels read it), its divisor
+    ``nrm`` (-1 where the identity was taken: the backward's normalisation
+    reads it, so ``h`` need not be kept) and the rotated source ``u = Q(qn) v``."""
     offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs_m = tl.arange(0, BM)
     rm = offs_r < R
     head = offs_r % H
-    qw, qx, qy, qz, _n, _small = _unit(h_raw, bq, (offs_r // H) * h_sn + head * 4, head * 4,
-                                       rm, EPS, ACC)
+    qw, qx, qy, qz, n, small = _unit(h_raw, bq, (offs_r // H) * h_sn + head * 4, head * 4,
+                                     rm, EPS, ACC)
     _store4(qn, offs_r * 4, rm, qw, qx, qy, qz)
+    tl.store(nrm + offs_r, tl.where(small, -1.0, n).to(nrm.dtype.element_ty), mask=rm)
     mask = rm[:, None] & (offs_m < M)[None, :]
     off = offs_r[:, None] * (M * 4) + offs_m[None, :] * 4
     a0, a1, a2, a3 = _load4(v, off, mask, ACC)
@@ -677,8 +686,8 @@ def layer_forward_rows(src, qn, log_beta, scale, rowptr, col, y_out, z_out, alph
         i = tl.program_id(0).to(tl.int64) * TARGETS + t
         z0, z1, z2, z3 = _forward_row(i, i < N, N, src, qn, qn, qn, log_beta, scale,
                                       log_beta, rowptr, col, y_out, z_out, alpha_out, dot_out,
-                                      H, M, 4, False, True, True, HAS_SCALE, False, True, ACC,
-                                      BE, BH, BM, BD)
+                                      H, M, 4, False, True, True, HAS_SCALE, False, True,
+                                      False, ACC, BE, BH, BM, BD)
         _project_row(i, i < N, z0, z1, z2, z3, w, h_raw, h_sn, root_off, bias, out, H, M, F,
                      MEAN, ACC, BH, BM, BF)
 
@@ -700,13 +709,14 @@ def layer_backward_rows(g, galpha, w, src, qn, log_beta, scale, rowptr, col, alp
         _backward_row(i, i < N, N, gz, galpha, src, qn, qn, qn, log_beta, scale, rowptr,
                       col, alpha, y, ga_buf, gd, ga_buf, gh + beta_off, gqd, gkd, H, M, 4, 0,
                       0, gh_sn, g, w, gh, gh_sn, root_off, F, False, True, True, HAS_GALPHA,
-                      HAS_SCALE, True, True, False, True, MEAN, True, ACC, BE, BH, BM, BD, BF)
+                      HAS_SCALE, True, True, False, True, MEAN, True, True, ACC, BE, BH, BM, BD,
+                      BF)
 
 
 @triton.jit
 def layer_backward_cols(gz, v, qn, alpha, scale, gd, rowptr_t, perm_t, row_t, gv, gh, gh_sn,
-                        gks, gqd, gkd, h_raw, bq, h_sn, H, M, N, NEED_V: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                        gks, gqd, gkd, nrm, H, M, N, NEED_V: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, ACC: tl.constexpr,
                         BE: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
                         BD: tl.constexpr, TARGETS: tl.constexpr):
     """:func:`backward_cols` of the layer: d v and the summed gradient of the unit
@@ -716,5 +726,5 @@ def layer_backward_cols(gz, v, qn, alpha, scale, gd, rowptr_t, perm_t, row_t, gv
         j = tl.program_id(0).to(tl.int64) * TARGETS + t
         _backward_col(j, j < N, N, gz, v, qn, qn, qn, alpha, scale, gd, rowptr_t, perm_t,
                       row_t, gv, gh, gks, gqd, gkd, H, M, 4, H * M * 4, M * 4, True, HAS_SCALE,
-                      True, NEED_V, True, True, True, True, True, ACC, BE, BH, BM, BD, h_raw,
-                      bq, h_sn, gh_sn, True, EPS)
+                      True, NEED_V, True, True, True, True, True, ACC, BE, BH, BM, BD, nrm,
+                      gh_sn, True)

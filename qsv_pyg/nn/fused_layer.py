@@ -79,23 +79,33 @@ def reference(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Te
     return _project(z.view(N, H, C), weight, mean) + F.linear(x, w_cat[4 * H:]) + bias, alpha
 
 
-Tensors8 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Tensors7 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _divisors(hq: Tensor) -> Tensor:
+    """The normalisation's divisor of every raw quaternion ``[N, H, 4]`` -> ``[N,
+    H]``: its norm, -1 where the identity is taken (as ``layer_rotate_rows``
+    stores it)."""
+    n = torch.linalg.vector_norm(hq, dim=-1)
+    return torch.where(n <= EPS, torch.full_like(n, -1.0), n)
 
 
 @torch.library.custom_op("qsv_pyg::attend_layer", mutates_args=())
 def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
                  log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
-                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, mean: bool) -> Tensors8:
-    """``(out, alpha, h, qn, u, y, z, v)``: the output ``[N, H F]`` (with ``mean``,
-    ``concat=False``: the mean over heads ``[N, F]``), the weights
-    ``[E, H]`` in the graph's target-sorted order, and what the backward reads
-    (``h = x w_cat^T``, the unit quaternions, the rotated sources, the
-    aggregate before and after the target's rotation; ``v``, the features
-    zero-padded to ``H C`` channels, when they need it, else empty). ``x``:
-    ``[N, F_in]``, ``F_in <= H C``; ``w_cat``: the quaternion map's matrix over
-    the root weight's, ``[4 H + H F, F_in]``;
-    ``scale``: the per-edge scale ``[E, H]`` of the aggregation in the graph's
-    target-sorted order (attention dropout's mask; a constant), or empty."""
+                 rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor, mean: bool) -> Tensors7:
+    """``(out, alpha, nrm, qn, u, z, v)``: the output ``[N, H F]`` (with ``mean``,
+    ``concat=False``: the mean over heads ``[N, F]``), the weights ``[E, H]`` in
+    the graph's target-sorted order, and what the backward reads: the
+    normalisation's divisors ``[N, H]`` (-1 where the identity was taken), the
+    unit quaternions, the rotated sources, the aggregate ``z`` (the backward
+    recomputes ``y = Q z``; ``h = x w_cat^T`` is not kept) and ``v``, the
+    features zero-padded to ``H C`` channels when they need it (else empty).
+    ``x``: ``[N, F_in]``, ``F_in <= H C``; ``w_cat``: the quaternion map's
+    matrix over the root weight's, ``[4 H + R, F_in]`` (``R``: ``H F``, or ``F``
+    with ``mean``); ``scale``: the per-edge scale ``[E, H]`` of the aggregation
+    in the graph's target-sorted order (attention dropout's mask; a constant),
+    or empty."""
     x = x.contiguous()
     v = _values(x, weight)
     padded = v if v is not x else x.new_empty(0)  # (an output must not alias an input)
@@ -109,12 +119,13 @@ def attend_layer(x: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight:
     N, H = x.size(0), weight.size(0)
     C = weight.size(1)
     h = torch.mm(x, w_cat.t())  # (as on the Triton path: the quaternion bias added after)
-    qn = unit_quaternion(h[:, :4 * H].add(b_quat).view(N, H, 4), EPS)
-    z, alpha, u, y, _ = attend(v.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
+    hq = h[:, :4 * H].add(b_quat).view(N, H, 4)
+    qn = unit_quaternion(hq, EPS)
+    z, alpha, u, _, _ = attend(v.reshape(N, H, C // 4, 4), qn, qn, qn, qn, log_beta.exp(),
                                scale, x.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t,
                                row_t, False, True)
     out = _project(z.view(N, H, C), weight, mean) + h[:, 4 * H:] + bias
-    return out, alpha, h, qn, u, y, z, padded
+    return out, alpha, _divisors(hq), qn, u, z, padded
 
 
 @attend_layer.register_fake
@@ -124,11 +135,9 @@ def _(x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_
     H, C, Fo = weight.shape
     E = col.size(0)
     feats = x.new_empty(N, H, C // 4, 4)
-    root = Fo if mean else H * Fo
     padded = x.new_empty(N, H * C) if x.size(1) != H * C else x.new_empty(0)
-    return (x.new_empty(N, root), x.new_empty(E, H), x.new_empty(N, 4 * H + root),
-            x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), x.new_empty(feats.shape),
-            padded)
+    return (x.new_empty(N, Fo if mean else H * Fo), x.new_empty(E, H), x.new_empty(N, H),
+            x.new_empty(N, H, 4), feats, x.new_empty(feats.shape), padded)
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,50 +148,52 @@ def _setup_context(ctx, inputs, output):
 
 
 @torch.library.custom_op("qsv_pyg::attend_layer_backward", mutates_args=())
-def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], v: Tensor, w_cat: Tensor,
-                          b_quat: Tensor, weight: Tensor, log_beta: Tensor, scale: Tensor,
-                          rowptr: Tensor, col: Tensor, row: Tensor, rowptr_t: Tensor,
-                          perm_t: Tensor, row_t: Tensor, alpha: Tensor, h: Tensor, qn: Tensor, u: Tensor,
-                          y: Tensor, need_v: bool, mean: bool) -> Tuple[Tensor, Tensor]:
+def attend_layer_backward(g: Tensor, galpha: Optional[Tensor], v: Tensor, weight: Tensor,
+                          log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor,
+                          row: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor,
+                          alpha: Tensor, nrm: Tensor, qn: Tensor, u: Tensor, z: Tensor,
+                          need_v: bool, mean: bool) -> Tuple[Tensor, Tensor]:
     """``(gv, gh)``: the gradient of the attention's values ``v`` ``[N, H C]``
     (the features, padded; empty unless ``need_v``) and the buffer ``gh``
     ``[N, 4H + R + H]`` (``R``: the output width) whose row sum holds the
     quaternion bias's, the bias's and log beta's gradients and whose first
     ``4H + R`` columns are d h (:mod:`qsv_pyg.nn.triton_layer`)."""
     if triton_kernel.available(v):
-        gv, gh = triton_layer.backward(g.contiguous(), galpha, v.contiguous(), h,
-                                       b_quat.contiguous(), weight.contiguous(),
-                                       log_beta.contiguous(), scale.contiguous(), rowptr, col,
-                                       rowptr_t, perm_t, row_t, alpha, qn, u, y, need_v, mean,
-                                       EPS)
+        gv, gh = triton_layer.backward(g.contiguous(), galpha, v.contiguous(),
+                                       weight.contiguous(), log_beta.contiguous(),
+                                       scale.contiguous(), rowptr, col, rowptr_t, perm_t,
+                                       row_t, alpha, nrm, qn, u, z, need_v, mean)
         return gv.view(v.shape) if need_v else gv, gh
     # Elsewhere: autograd of the composition for the same buffer (log beta's
-    # whole gradient in the first row).
+    # whole gradient in the first row), the normalisation's backward from the
+    # saved divisors as on the Triton path.
     from .qsv_kernel import attend
     N = v.size(0)
     H, C, Fo = weight.shape
     with torch.enable_grad():
         vv = v.detach().requires_grad_(True)
-        hq = h[:, :4 * H].add(b_quat).detach().requires_grad_(True)
+        q = qn.detach().requires_grad_(True)
         lb = log_beta.detach().requires_grad_(True)
-        q = unit_quaternion(hq.view(N, H, 4), EPS)
-        z, a, _, _, _ = attend(vv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
-                               v.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
-                               False, True)
-        outs, grads = [_project(z.view(N, H, C), weight.detach(), mean)], [g]
+        zz, a, _, _, _ = attend(vv.reshape(N, H, C // 4, 4), q, q, q, q, lb.exp(), scale,
+                                v.new_empty(0, H), rowptr, col, row, rowptr_t, perm_t, row_t,
+                                False, True)
+        outs, grads = [_project(zz.view(N, H, C), weight.detach(), mean)], [g]
         if galpha is not None:
             outs.append(a)
             grads.append(galpha)
-        gv, ghq, glb = torch.autograd.grad(outs, [vv, hq, lb], grads, allow_unused=True)
+        gv, gq, glb = torch.autograd.grad(outs, [vv, q, lb], grads, allow_unused=True)
+    n = nrm.unsqueeze(-1)
+    graw = torch.where(n < 0, torch.zeros_like(gq),
+                       (gq - qn * (qn * gq).sum(-1, keepdim=True)) / n)
     gbeta = torch.zeros(N, H, dtype=v.dtype, device=v.device)
     gbeta[:1] = glb
-    gh = torch.cat([ghq, g, gbeta], dim=1)
+    gh = torch.cat([graw.reshape(N, 4 * H), g, gbeta], dim=1)
     return gv if need_v else v.new_empty(0), gh
 
 
 @attend_layer_backward.register_fake
-def _(g, galpha, v, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
-      row_t, alpha, h, qn, u, y, need_v, mean):
+def _(g, galpha, v, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t, row_t, alpha,
+      nrm, qn, u, z, need_v, mean):
     H, _, Fo = weight.shape
     return (v.new_empty(v.shape) if need_v else v.new_empty(0),
             v.new_empty(v.size(0), 4 * H + (Fo if mean else H * Fo) + H))
@@ -190,7 +201,7 @@ def _(g, galpha, v, w_cat, b_quat, weight, log_beta, scale, rowptr, col, row, ro
 
 def _backward(ctx, g_out, g_alpha, *_unused):
     (x, w_cat, b_quat, bias, weight, log_beta, scale, rowptr, col, row, rowptr_t, perm_t,
-     row_t, alpha, h, qn, u, y, z, padded) = ctx.saved_tensors
+     row_t, alpha, nrm, qn, u, z, padded) = ctx.saved_tensors
     need, mean = ctx.needs_input_grad, ctx.mean
     graph = (rowptr, col, row, rowptr_t, perm_t, row_t)
     if g_out is None and g_alpha is None:
@@ -215,8 +226,8 @@ def _backward(ctx, g_out, g_alpha, *_unused):
     g_out = g_out.contiguous()
     v = padded if padded.numel() else x.contiguous()  # the attention's values
     gv, gh = attend_layer_backward(g_out, None if g_alpha is None else g_alpha.contiguous(),
-                                   v, w_cat, b_quat, weight, log_beta, scale, *graph, alpha, h,
-                                   qn, u, y, need[0], mean)
+                                   v, weight, log_beta, scale, *graph, alpha, nrm, qn, u, z,
+                                   need[0], mean)
     rows = w_cat.size(0)  # 4 H + the root width (H F, or F for the mean)
     gx = gw_cat = gb_quat = gbias = gweight = glog_beta = None
     if need[2] or need[3] or need[5]:

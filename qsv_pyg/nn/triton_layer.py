@@ -70,35 +70,39 @@ def fits(x: Tensor, heads: int, out_channels: int, mean: bool = False) -> bool:
 def forward(x: Tensor, v: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, weight: Tensor,
             log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, mean: bool,
             eps: float):
-    """``(out, alpha, h, qn, u, y, z)``: the layer's output ``[N, H F]`` (``[N,
-    F]``, the mean over heads, with ``mean``), the
-    weights ``[E, H]`` (target-sorted order) and what the backward reads.
-    ``scale``: the per-edge scale ``[E, H]`` of the aggregation (attention
-    dropout's mask), or empty for none. ``v``: ``x`` zero-padded to ``H C``
-    channels (``x`` itself when no padding is needed), the attention's values."""
+    """``(out, alpha, nrm, qn, u, z)``: the layer's output ``[N, H F]`` (``[N, F]``,
+    the mean over heads, with ``mean``), the weights ``[E, H]`` (target-sorted
+    order) and what the backward reads: the normalisation's divisors ``[N, H]``
+    (-1 where the identity was taken), the unit quaternions, the rotated
+    sources and the aggregate ``z`` (``y = Q z`` is recomputed, ``h = x
+    w_cat^T`` not kept). ``scale``: the per-edge scale ``[E, H]`` of the
+    aggregation (attention dropout's mask), or empty for none. ``v``: ``x``
+    zero-padded to ``H C`` channels (``x`` itself when no padding is needed),
+    the attention's values."""
     N = x.size(0)
     H, C, Fo = weight.shape
     s = _setup(v, H)
     E = col.numel()
     _check_graph(rowptr, col, N)
     scaled = _check_scale(scale, E, H)
-    h = torch.mm(x, w_cat.t())  # [N, 4H + H F]: raw quaternions, root term
+    h = torch.mm(x, w_cat.t())  # [N, 4H + R]: raw quaternions, root term
     qn = x.new_empty(N, H, 4)
+    nrm = x.new_empty(N, H)
     v = v.view(N, H, s.M, 4)
-    u, y, z = torch.empty_like(v), torch.empty_like(v), torch.empty_like(v)
+    u, z = torch.empty_like(v), torch.empty_like(v)
     alpha = x.new_empty(E, H)
     dot = x.new_empty(E, H)
     out = x.new_empty(N, Fo if mean else H * Fo)
     if N:
         rows, BR = N * H, max(1, ROTATE_BLOCKS // s.BM)
         s.k.layer_rotate_rows[(-(-rows // BR), )](
-            v, h, b_quat, qn, u, rows, H, s.M, h.stride(0), EPS=float(eps), ACC=s.acc, BR=BR,
-            BM=s.BM, num_warps=num_warps_for(BR * s.BM))
+            v, h, b_quat, qn, nrm, u, rows, H, s.M, h.stride(0), EPS=float(eps), ACC=s.acc,
+            BR=BR, BM=s.BM, num_warps=num_warps_for(BR * s.BM))
         BF = _pow2(Fo)
 
         def launch(c: Config):
             s.k.layer_forward_rows[(-(-N // c.TARGETS), s.head_tiles)](
-                u, qn, log_beta, scale if scaled else log_beta, rowptr, col, y, z, alpha, dot,
+                u, qn, log_beta, scale if scaled else log_beta, rowptr, col, z, z, alpha, dot,
                 weight, h, h.stride(0), 4 * H, bias, out, H, s.M, Fo, N, HAS_SCALE=scaled,
                 MEAN=mean, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS,
                 num_warps=c.warps)
@@ -106,19 +110,19 @@ def forward(x: Tensor, v: Tensor, w_cat: Tensor, b_quat: Tensor, bias: Tensor, w
         launch_tuned(tuning_key("layer_forward_rows", x.device, x.dtype, s, degree,
                                 {"F": Fo, "HAS_SCALE": scaled, "MEAN": mean}),
                      candidates(s, degree), launch, x.device)
-    return out, alpha, h, qn, u, y, z
+    return out, alpha, nrm, qn, u, z
 
 
 @_on_device
-def backward(g: Tensor, galpha, v: Tensor, h: Tensor, b_quat: Tensor, weight: Tensor,
-             log_beta: Tensor, scale: Tensor, rowptr: Tensor, col: Tensor, rowptr_t: Tensor,
-             perm_t: Tensor, row_t: Tensor, alpha: Tensor, qn: Tensor, u: Tensor, y: Tensor, need_v: bool,
-             mean: bool, eps: float):
+def backward(g: Tensor, galpha, v: Tensor, weight: Tensor, log_beta: Tensor, scale: Tensor,
+             rowptr: Tensor, col: Tensor, rowptr_t: Tensor, perm_t: Tensor, row_t: Tensor,
+             alpha: Tensor, nrm: Tensor, qn: Tensor, u: Tensor, z: Tensor, need_v: bool,
+             mean: bool):
     """``(gv, gh)``: d v ``[N, H M 4]`` (the values ``v``: the features, padded to
-    ``H C`` channels; empty unless ``need_v``) and the buffer
-    ``gh`` ``[N, 4H + R + H]`` (d h_q through the normalisation, the output
-    gradient, d log beta per target), whose row sum and matmuls the caller takes."""
-    N, width = v.shape
+    ``H C`` channels; empty unless ``need_v``) and the buffer ``gh`` ``[N, 4H +
+    R + H]`` (d h_q through the normalisation, the output gradient, d log beta
+    per target), whose row sum and matmuls the caller takes."""
+    N = v.size(0)
     H, C, Fo = weight.shape
     s = _setup(v, H)
     E = col.numel()
@@ -138,7 +142,7 @@ def backward(g: Tensor, galpha, v: Tensor, h: Tensor, b_quat: Tensor, weight: Te
         def launch_a(c: Config):
             s.k.layer_backward_rows[(-(-N // c.TARGETS), s.head_tiles)](
                 g, g if galpha is None else galpha, weight, u, qn, log_beta,
-                scale if scaled else log_beta, rowptr, col, alpha, y, ga_buf, gd, gz, gh,
+                scale if scaled else log_beta, rowptr, col, alpha, z, ga_buf, gd, gz, gh,
                 gh.stride(0), 4 * H, 4 * H + root, gqd, gkd, H, s.M, Fo, N,
                 HAS_GALPHA=galpha is not None, HAS_SCALE=scaled, MEAN=mean, ACC=s.acc,
                 BE=c.BE, BH=s.BH, BM=s.BM, BD=4, BF=BF, TARGETS=c.TARGETS, num_warps=c.warps)
@@ -150,10 +154,9 @@ def backward(g: Tensor, galpha, v: Tensor, h: Tensor, b_quat: Tensor, weight: Te
         def launch_b(c: Config):
             s.k.layer_backward_cols[(-(-N // c.TARGETS), s.head_tiles)](
                 gz, v, qn, alpha, scale if scaled else alpha, gd, rowptr_t, perm_t, row_t,
-                gv if need_v else gz, gh, gh.stride(0), gks, gqd, gkd, h, b_quat, h.stride(0), H,
-                s.M, N, NEED_V=need_v, HAS_SCALE=scaled, EPS=float(eps),
-                ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4, TARGETS=c.TARGETS,
-                num_warps=c.warps)
+                gv if need_v else gz, gh, gh.stride(0), gks, gqd, gkd, nrm, H, s.M, N,
+                NEED_V=need_v, HAS_SCALE=scaled, ACC=s.acc, BE=c.BE, BH=s.BH, BM=s.BM, BD=4,
+                TARGETS=c.TARGETS, num_warps=c.warps)
         launch_tuned(tuning_key("layer_backward_cols", v.device, v.dtype, s, degree,
                                 {"NEED_V": need_v, "HAS_SCALE": scaled}), candidates(s, degree),
                      launch_b, v.device)
