@@ -9,19 +9,22 @@ with :math:`\mathbf{z}` the attention of :func:`~qsv_pyg.nn.qsv_kernel.qsv_atten
 with the unit quaternions as transport and keys of both ends (learned routing,
 :math:`\beta = \exp(\log\beta)`): :class:`~qsv_pyg.nn.QSVConv`'s default layer
 on a homogeneous graph (feature quaternions, ``routing="learned"``,
-``transport="sandwich"``, root weight, bias, no edge terms, no padding; the
-heads concatenated or averaged; attention dropout as a per-edge scale, as
-``qsv_pyg::attend`` takes it).
+``transport="sandwich"``, root weight, bias, no edge terms; the heads
+concatenated or averaged; features of any width, zero-padded to ``4 * heads``
+for the heads as the layer pads them; attention dropout as a per-edge scale,
+as ``qsv_pyg::attend`` takes it).
 
 Why a second operator: on the Triton path the layer composed of
-``qsv_pyg::attend`` and its own PyTorch ops launches 28 kernels per
+``qsv_pyg::attend`` and its own PyTorch ops launches 26 kernels per
 forward+backward; this one launches 10 (:mod:`qsv_pyg.nn.triton_layer`; issue
-32's aim). Every other implementation (the C++ CPU kernel, the PyTorch one) is
-the same composition of ``qsv_pyg::attend`` as the layer's, so
-:meth:`QSVConv._fused_layer_reason <qsv_pyg.nn.QSVConv>` sends a call here only
-on the Triton path (``QSV_PYG_FUSED_LAYER=0``: never). The backward is written
-out (one autograd node for the whole layer); under ``create_graph=True`` it is
-autograd of the composition (:func:`reference`), so second derivatives are exact.
+32's aim) and keeps less for the backward (``z`` and the normalisation's
+divisors: ``y`` is recomputed, ``h = x [W_q; W_r]^T`` not kept). Off the
+Triton path it computes the composition itself (for ``opcheck`` and direct
+callers), so :meth:`QSVConv.fused_layer_reason <qsv_pyg.nn.QSVConv>` sends a
+layer's call here only on the Triton path (``QSV_PYG_FUSED_LAYER=0``: never).
+The backward is written out (one autograd node for the whole layer); under
+``create_graph=True`` it is autograd of the composition (:func:`reference`),
+so second derivatives are exact.
 """
 from __future__ import annotations
 
