@@ -126,36 +126,63 @@ def available(t: Tensor) -> bool:
     return False
 
 
-def _kernels(interpret: bool) -> ModuleType:
-    """The kernel module, compiled or interpreted.
+#: The kernel modules (in this order: the layer's reads the operator's helpers).
+KERNEL_MODULES = ("_triton_kernels", "_triton_layer_kernels")
+
+
+class _Kernels:
+    """The kernels of :data:`KERNEL_MODULES` in one mode, by name."""
+
+    def __init__(self, *modules: ModuleType):
+        self.modules = modules
+
+    def __getattr__(self, name: str):
+        for module in self.__dict__.get("modules", ()):
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(name)
+
+
+def _interpreted(stem: str, base: Optional[ModuleType]) -> ModuleType:
+    """A second copy of ``qsv_pyg.nn.<stem>`` executed with ``TRITON_INTERPRET=1``
+    (given the interpreted operator module as ``_BASE``)."""
+    name = f"qsv_pyg.nn.{stem}_interpreted"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{stem}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    if base is not None:
+        mod._BASE = base
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    sys.modules[name] = mod
+    return mod
+
+
+def _kernels(interpret: bool) -> _Kernels:
+    """The kernels, compiled or interpreted.
 
     ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the
-    interpreted kernels are a second copy of the module executed with it set.
+    interpreted kernels are a second copy of the modules executed with it set.
     """
     mod = _KERNELS.get(interpret)
     if mod is not None:
         return mod
     with _LOCK:
         if interpret not in _KERNELS:
-            if not interpret:
-                _KERNELS[False] = importlib.import_module("qsv_pyg.nn._triton_kernels")
-            else:
-                name = "qsv_pyg.nn._triton_kernels_interpreted"
-                path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                    "_triton_kernels.py")
-                spec = importlib.util.spec_from_file_location(name, path)
-                mod = importlib.util.module_from_spec(spec)
-                old = os.environ.get("TRITON_INTERPRET")
-                os.environ["TRITON_INTERPRET"] = "1"
-                try:
-                    spec.loader.exec_module(mod)
-                finally:
-                    if old is None:
-                        del os.environ["TRITON_INTERPRET"]
-                    else:
-                        os.environ["TRITON_INTERPRET"] = old
-                sys.modules[name] = mod
-                _KERNELS[True] = mod
+            modules: list = []
+            for stem in KERNEL_MODULES:
+                if not interpret:
+                    modules.append(importlib.import_module(f"qsv_pyg.nn.{stem}"))
+                else:
+                    modules.append(_interpreted(stem, modules[0] if modules else None))
+            _KERNELS[interpret] = _Kernels(*modules)
     return _KERNELS[interpret]
 
 

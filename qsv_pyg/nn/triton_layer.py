@@ -3,7 +3,7 @@ r"""Triton launches of ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`)
 QSVConv's common configuration (feature quaternions, learned routing, the
 sandwich transport, root weight and bias; heads concatenated or averaged;
 attention dropout as a per-edge scale) as four Triton kernels
-(:mod:`qsv_pyg.nn._triton_kernels`, "the layer's fused kernels") and six
+(:mod:`qsv_pyg.nn._triton_layer_kernels`) and six
 PyTorch ops per forward+backward, against 26 launches when the layer composes
 the operator with its own PyTorch ops (issue 32: at most 10):
 
