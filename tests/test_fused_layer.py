@@ -379,3 +379,30 @@ def test_a_gat_like_model_runs_on_the_one_operator(interpret):
     torch.testing.assert_close(fused[0], composed[0], atol=1e-10, rtol=1e-10)
     for a, b in zip(fused[1], composed[1]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_edge_index_input_and_what_message_passing_keeps(interpret):
+    """An ``EdgeIndex`` (its own cached CSR) takes the one operator with the
+    plain tensor's result; a PyG hook, an explainer, a sparse adjacency and a
+    lazy layer before its first call keep their paths, with the reason named."""
+    from torch_geometric import EdgeIndex
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(14, 16)
+    edge_index = _graph(14, 40, seed=12)
+    sorted_index = EdgeIndex(edge_index[:, edge_index[1].argsort()], sparse_size=(14, 14),
+                             sort_order="col")
+    assert layer.fused_layer_reason(x, sorted_index) is None
+    torch.testing.assert_close(layer(x, sorted_index), layer(x, edge_index.clone()),
+                               atol=1e-6, rtol=1e-6)
+    handle = layer.register_message_forward_hook(lambda *args: None)
+    assert "hook" in layer.fused_layer_reason(x, edge_index)
+    handle.remove()
+    layer.explain = True
+    assert "explainer" in layer.fused_layer_reason(x, edge_index)
+    layer.explain = False
+    adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(40), (14, 14))
+    assert "sparse" in layer.fused_layer_reason(x, adj)
+    lazy = QSVConv(-1, 3, heads=2, check_finite=False)
+    assert lazy.fused_layer_reason(x, edge_index) == "a lazy layer before its first call"
+    lazy(x, edge_index)  # the first call materialises it (composed)
+    assert lazy.fused_layer_reason(x, edge_index) is None
