@@ -138,6 +138,27 @@ def conv_checks(folder: Path, steps: Dict[str, dict]) -> List[dict]:
             measured = (f"worst {worst:.2f}× ({where}), {within}/{len(ratios)} graphs within"
                         + (f"; not measured: {', '.join(missing)}" if missing else ""))
             rows.append(_row(check, measured, target, "met" if ok else "missed"))
+        if payload is not None:
+            rows += operator_gain(payload, prec)
+    return rows
+
+
+def operator_gain(payload: dict, prec: str) -> List[dict]:
+    """What the one operator of the layer (``qsv``) gains over the same layer
+    composed (``qsv-composed``: ``QSV_PYG_FUSED_LAYER=0``), time and activation
+    memory, graphs with N ≥ 16k; informational (no target). Empty when the step
+    did not run both."""
+    rows = []
+    for what, key in (("time", "fwd_bwd_ms"), ("activation memory", "saved_mib")):
+        ratios = sorted(r["layers"]["qsv"][key] / r["layers"]["qsv-composed"][key]
+                        for r in payload["results"]
+                        if r.get("graph") in ("knn", "random") and r["n"] >= MIN_N
+                        and "qsv" in r["layers"] and "qsv-composed" in r["layers"]
+                        and r["layers"]["qsv-composed"].get(key))
+        if ratios:
+            rows.append(_row(f"QSVConv {what}: one operator ÷ composed, N ≥ 16k, {prec}",
+                             f"{ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} graphs",
+                             "(no target: the gain of qsv_pyg::attend_layer)", "measured"))
     return rows
 
 

@@ -254,6 +254,23 @@ def test_report_verdicts_and_unmeasured_steps(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "| check | measured | target | verdict |" in text and "resnet20" in text
     assert json.loads((tmp_path / "summary.json").read_text())["gpu"] == "NVIDIA H200"
+    assert not any("one operator" in check for check in verdicts)  # no qsv-composed rows
+
+
+def test_report_the_one_operators_gain(tmp_path):
+    """With ``qsv-composed`` beside ``qsv`` the report states the one operator's
+    ratio to the composed layer (informational: no target)."""
+    payload = _conv_payload(1.0, 4.0, 1.0, 8.0)
+    for row in payload["results"]:
+        row["layers"]["qsv-composed"] = {"fwd_bwd_ms": 2.0 if row["n"] > 16384 else 4.0,
+                                         "saved_mib": 1.25}
+    (tmp_path / "steps.tsv").write_text("step\trc\tseconds\tlimit\nconv-fp32\t0\t30\t45\n")
+    (tmp_path / "conv-fp32.json").write_text(json.dumps(payload))
+    rows = {row["check"]: row for row in gpu_report.report(tmp_path)["checks"]}
+    time = rows["QSVConv time: one operator ÷ composed, N ≥ 16k, fp32"]
+    assert time["measured"] == "0.25–0.50× over 4 graphs" and time["verdict"] == "measured"
+    memory = rows["QSVConv activation memory: one operator ÷ composed, N ≥ 16k, fp32"]
+    assert memory["measured"] == "0.80–0.80× over 4 graphs"
 
 
 def test_report_joins_the_two_phases_folders(tmp_path):
