@@ -3,9 +3,9 @@ r"""Triton launches of ``qsv_pyg::attend_layer`` (:mod:`qsv_pyg.nn.fused_layer`)
 QSVConv's common configuration (feature quaternions, learned routing, the
 sandwich transport, root weight and bias; heads concatenated or averaged;
 attention dropout as a per-edge scale) as four Triton kernels
-(:mod:`qsv_pyg.nn._triton_layer_kernels`) and six
-PyTorch ops per forward+backward, against 26 launches when the layer composes
-the operator with its own PyTorch ops (issue 32: at most 10):
+(:mod:`qsv_pyg.nn._triton_layer_kernels`) and six PyTorch ops per
+forward+backward, against 26 launches when the layer composes the operator with
+its own PyTorch ops (issue 32: at most 10):
 
 forward (4)
     ``cat`` of the quaternion map's and root weight's matrices and one ``mm``:
@@ -21,8 +21,11 @@ backward (6)
     ``layer_backward_cols``: d v and the raw quaternions' gradient (through the
     normalisation) into ``gh``'s first ``4H`` columns; then ``gh.sum(0)`` (the
     quaternion bias, the bias and log beta at once), ``bmm`` (d W_h; ``addmm``
-    for the mean over heads),
-    ``addmm`` (d x = d v + gh W) and ``mm`` (d [W_q; W_r]).
+    for the mean over heads), ``addmm`` (d x = d v + gh W) and ``mm`` (d [W_q;
+    W_r]).
+
+The forward keeps ``z``, the unit quaternions, their divisors and ``u`` for
+the backward (``y = Q z`` is recomputed there; ``h`` is not kept).
 
 No atomics: deterministic. float32 and float64.
 """
@@ -60,8 +63,9 @@ def _setup(x: Tensor, heads: int) -> _Setup:
 def fits(x: Tensor, heads: int, out_channels: int, mean: bool = False) -> bool:
     """Whether the projection tile of the layer's kernels stays within
     :data:`MAX_PROJECT_TILE` values (and, for the mean over heads, one program
-    holds every head)."""
-    s = _setup(x[:0], heads)
+    holds every head), for features like ``x`` (padded to ``4 * heads``)."""
+    step = 4 * heads
+    s = _setup(x.new_empty(0, -(-x.size(-1) // step) * step), heads)
     return s.BH * s.BM * _pow2(out_channels) <= MAX_PROJECT_TILE and \
         (not mean or s.head_tiles == 1)
 
