@@ -516,6 +516,31 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
     torch.testing.assert_close(z, ref_z, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("machine,capability,avx2", [
+    ("x86_64", "AVX512", True), ("x86_64", "AVX2", True), ("x86_64", "DEFAULT", False),
+    ("aarch64", "DEFAULT", False), ("aarch64", "SVE256", False)])
+def test_build_flags_follow_the_cpu(machine, capability, avx2, monkeypatch):
+    """AVX2 (with the baseline's rounding: no contraction into fused
+    multiply-adds) only on an x86-64 CPU that torch reports as AVX2 or AVX-512;
+    the flags are part of the build folder's name."""
+    import platform
+
+    base = cpu_ext.extension_name()
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    flags = cpu_ext.cflags()
+    assert flags[:len(cpu_ext.CFLAGS)] == cpu_ext.CFLAGS
+    assert ("-mavx2" in flags) == avx2
+    if avx2:
+        assert "-ffp-contract=off" in flags
+    other = "DEFAULT" if avx2 else "AVX2"
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    name = cpu_ext.extension_name()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert cpu_ext.extension_name() != name
+    assert base.startswith(cpu_ext.NAME)
+
+
 # ----------------------------------------------------------- unit quaternion
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unit_quaternion_values_and_zero_norm(dtype):
@@ -766,7 +791,9 @@ def test_operator_refuses_a_misshapen_edge_logit(impl):
 
 # ------------------------------------- the C++ kernel's specialised head layouts
 LAYOUTS = {  # name: (H, M): blk = 4 M channels per head; the kernel specialises blk 4-32
-    "16x4": (16, 1), "8x8": (8, 2), "4x16": (4, 4), "2x32": (2, 8), "generic-3x12": (3, 3),
+    # (blk = 4 runs channel-major inside: its loops over heads, 5 x 4 with a remainder)
+    "16x4": (16, 1), "5x4": (5, 1), "8x8": (8, 2), "4x16": (4, 4), "2x32": (2, 8),
+    "generic-3x12": (3, 3),
 }
 
 

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -175,53 +176,132 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 }
 
+// One block of four channels per head (BLK == 4, the paper's 16 heads x 4): the
+// per-(edge, head) loops would be four-long dot products and updates, which do
+// not vectorise. Inside the kernels every node's rows are then held
+// channel-major, [4, H] features and [D, H] keys, so that each such loop runs
+// over the H heads with contiguous loads (a few vector operations per edge);
+// the sums are the same, taken in the same order. The inputs and outputs keep
+// their head-major layout: the transposed copies are O(N H) next to O(E H).
+template <int BLK>
+inline constexpr bool channel_major() {
+  return BLK == 4;
+}
+
+// x [N, H, W] -> [N, W, H] (x may be null when W = 0).
+template <typename T>
+std::unique_ptr<T[]> to_channel_major(const T* x, int64_t N, int64_t H, int64_t W) {
+  std::unique_ptr<T[]> out(new T[std::max<int64_t>(N * H * W, 1)]);
+  if (N * H * W == 0) return out;
+  T* o = out.get();
+  at::parallel_for(0, N, grain(2 * H * W), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* xr = x + n * H * W;
+      T* orow = o + n * H * W;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t c = 0; c < W; ++c) orow[c * H + h] = xr[h * W + c];
+      }
+    }
+  });
+  return out;
+}
+
+// The key rows in the kernels' layout: channel-major copies when CM (one copy
+// when both sides pass the same tensor), the inputs themselves otherwise.
+template <bool CM, typename T>
+struct KeyRows {
+  std::unique_ptr<T[]> s_buf, d_buf;
+  const T* s;
+  const T* d;
+  KeyRows(const T* ks, const T* kd, int64_t Ns, int64_t Nd, int64_t H, int64_t D)
+      : s(ks), d(kd) {
+    if constexpr (CM) {
+      if (D == 0) return;
+      s_buf = to_channel_major(ks, Ns, H, D);
+      s = s_buf.get();
+      if (kd == ks) {
+        d = s;
+      } else {
+        d_buf = to_channel_major(kd, Nd, H, D);
+        d = d_buf.get();
+      }
+    }
+  }
+};
+
 template <bool SCALED, int BLK, int DK, typename T>
 void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* ks,
                   const T* kd, const T* beta, const T* scale, const T* bias,
                   const int64_t* rowptr, const int64_t* col, T* u, T* y, T* z, T* alpha,
                   T* dot) {
+  constexpr bool CM = channel_major<BLK>();
   const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
   const int64_t HB = H * blk, HD = H * D;
-  if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
+  // CM: the sources' rows [Ns, 4, H] (rotated, or v itself), u still written.
+  std::unique_ptr<T[]> src_cm(CM ? new T[std::max<int64_t>(s.Ns * HB, 1)] : nullptr);
+  if (s.rotate || CM) {  // u_m = Q_j v_m for every block of every source row (j, h)
     at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
       T Q[16];
       for (int64_t r = begin; r < end; ++r) {
-        block_matrix(qs + r * 4, Q);
-        apply_rows(Q, v + r * blk, u + r * blk, M, false);
+        const T* ur = v + r * blk;
+        if (s.rotate) {
+          block_matrix(qs + r * 4, Q);
+          apply_rows(Q, ur, u + r * blk, M, false);
+          ur = u + r * blk;
+        }
+        if constexpr (CM) {
+          T* o = src_cm.get() + (r / H) * HB + r % H;
+          for (int c = 0; c < 4; ++c) o[c * H] = ur[c];
+        }
       }
     });
   }
-  const T* src = s.rotate ? u : v;
+  const KeyRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, D);
+  const T* src = CM ? src_cm.get() : (s.rotate ? u : v);
   T* sum = s.rotate ? y : z;
   const bool use_abs = s.use_abs;
   const int64_t row_work =
       H * (blk + D + 16 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16];
-    std::vector<T> state(2 * H);
-    T* __restrict__ mx = state.data();  // per head: the running max, then 1 / total
+    // per head: the running max (then 1 / total), the total, the edge's weight;
+    // CM: the row's [4, H] accumulator
+    std::vector<T> state(3 * H + (CM ? HB : 0));
+    T* __restrict__ mx = state.data();
     T* __restrict__ tot = mx + H;
+    T* __restrict__ wt = tot + H;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
       const int64_t* nb = col + e0;
-      const T* kdi = kd + i * HD;
+      const T* kdi = keys.d + i * HD;
       // Logits, and the per-head max over the row's edges.
       for (int64_t h = 0; h < H; ++h) {
         mx[h] = -std::numeric_limits<T>::infinity();
         tot[h] = 0;
       }
       for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
-        prefetch_row(ks + nb[e] * HD, HD);
+        prefetch_row(keys.s + nb[e] * HD, HD);
         prefetch_row(src + nb[e] * HB, HB);
       }
       for (int64_t e = 0; e < deg; ++e) {
-        const T* ksj = ks + nb[e] * HD;
+        const T* ksj = keys.s + nb[e] * HD;
         T* __restrict__ al = alpha + (e0 + e) * H;
         T* __restrict__ dt = dot + (e0 + e) * H;
         const T* bi = bias ? bias + (e0 + e) * H : nullptr;
+        if constexpr (CM) {  // all heads' key products at once
+          for (int64_t h = 0; h < H; ++h) dt[h] = 0;
+          for (int64_t c = 0; c < D; ++c) {
+            for (int64_t h = 0; h < H; ++h) dt[h] += kdi[c * H + h] * ksj[c * H + h];
+          }
+        }
         for (int64_t h = 0; h < H; ++h) {
-          const T d = dot_keys(kdi + h * D, ksj + h * D, D);
-          dt[h] = d;
+          T d;
+          if constexpr (CM) {
+            d = dt[h];
+          } else {
+            d = dot_keys(kdi + h * D, ksj + h * D, D);
+            dt[h] = d;
+          }
           const T l = beta[h] * (use_abs ? std::abs(d) : d) + (bi ? bi[h] : T(0));
           al[h] = l;
           mx[h] = l > mx[h] ? l : mx[h];
@@ -238,12 +318,27 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
       for (int64_t h = 0; h < H; ++h) mx[h] = T(1) / tot[h];
       const T* __restrict__ inv = mx;
       // Normalise, and y_i = sum_e alpha_e (s_e) src_j over all heads at once.
-      T* __restrict__ yr = sum + i * HB;
+      T* __restrict__ yr = CM ? wt + H : sum + i * HB;
       for (int64_t c = 0; c < HB; ++c) yr[c] = 0;
       for (int64_t e = 0; e < deg; ++e) {
         T* __restrict__ al = alpha + (e0 + e) * H;
         const T* __restrict__ sj = src + nb[e] * HB;
         const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+        if constexpr (CM) {
+          for (int64_t h = 0; h < H; ++h) {
+            const T a = al[h] * inv[h];
+            al[h] = a;
+            if constexpr (SCALED) {
+              wt[h] = a * sc[h];
+            } else {
+              wt[h] = a;
+            }
+          }
+          for (int c = 0; c < 4; ++c) {
+            for (int64_t h = 0; h < H; ++h) yr[c * H + h] += wt[h] * sj[c * H + h];
+          }
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) {
           const T a = al[h] * inv[h];
           al[h] = a;
@@ -254,11 +349,17 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
           for (int64_t c = 0; c < blk; ++c) yh[c] += w * sh[c];
         }
       }
+      if constexpr (CM) {  // the accumulator back to head-major rows
+        T* out = sum + i * HB;
+        for (int64_t h = 0; h < H; ++h) {
+          for (int c = 0; c < 4; ++c) out[h * 4 + c] = yr[c * H + h];
+        }
+      }
       if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
         for (int64_t h = 0; h < H; ++h) {
           const int64_t row = i * H + h;
           block_matrix(qd + row * 4, Q);
-          apply_rows(Q, yr + h * blk, z + row * blk, M, true);
+          apply_rows(Q, y + row * blk, z + row * blk, M, true);
         }
       }
     }
@@ -270,41 +371,47 @@ struct Needs {
 };
 
 // Longer than the usual 80 lines on purpose: the two passes share one argument
-// list and pass B reads what pass A wrote (gy, wg); split, both halves would
+// list and pass B reads what pass A wrote (gy, gd); split, both halves would
 // take the same twenty pointers.
 //
-// wg [E, 2, H]: what pass B needs of every edge, written by pass A in pass B's
-// (transposed, per source) order so that pass B streams it instead of
-// gathering two rows per edge at random: wg[p][0] = alpha (s) (when gu is
-// needed), wg[p][1] = dL/d<kd, ks> (when the keys' gradients are). pos_t [E]:
-// the transposed position of every sorted edge (the inverse of perm_t).
+// gd [E, H]: dL/d<kd, ks> of every edge (when the keys' gradients are needed),
+// written by pass A in the sorted order, as alpha is. Pass B gathers both rows
+// of each of its edges through perm_t (prefetched with the edge's other rows):
+// a scatter into pass B's order instead, as until 2026-12-08, made pass A's
+// stores miss (at 16 heads x 4 the backward took 1.16x as long).
 template <bool SCALED, int BLK, int DK, typename T>
 void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galpha,
                    const T* v, const T* qs, const T* qd, const T* ks, const T* kd,
                    const T* beta, const T* scale, const int64_t* rowptr, const int64_t* col,
                    const int64_t* rowptr_t, const int64_t* perm_t, const int64_t* row_t,
-                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* wg,
-                   int64_t* pos_t, T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs,
+                   const T* alpha, const T* dot, const T* u, const T* y, T* gy_buf, T* gd,
+                   T* glogit, T* gbeta_part, T* gqd, T* gkd, T* gv, T* gqs,
                    T* gks) {
+  constexpr bool CM = channel_major<BLK>();
   const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
   const int64_t HB = H * blk, HD = H * D;
-  const T* src = s.rotate ? u : v;
-  const T* gy = s.rotate ? gy_buf : gz;
   const bool use_abs = s.use_abs;
   const bool need_u = need.v || (need.q && s.rotate);
   const bool pass_b = need.v || need.q || need.k;
-  if (pass_b) {
-    at::parallel_for(0, s.E, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) pos_t[perm_t[p]] = p;
-    });
+  // CM: the sources' rows and gy in [N, 4, H] (gy_buf is then unused), the
+  // keys' rows in [N, D, H].
+  std::unique_ptr<T[]> src_cm, gy_cm;
+  if constexpr (CM) {
+    src_cm = to_channel_major(s.rotate ? u : v, s.Ns, H, 4);
+    gy_cm.reset(new T[std::max<int64_t>(s.Nd * HB, 1)]);
   }
+  const KeyRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, need.k ? D : 0);
+  const T* src = CM ? src_cm.get() : (s.rotate ? u : v);
+  T* gy_rows = CM ? gy_cm.get() : gy_buf;
+  const T* gy = CM || s.rotate ? gy_rows : gz;
   // Pass A, per target row i (all heads): gy = Q_i gz, softmax backward, logit
   // gradients, the target key's gradient and the target rotation's gradient.
   const int64_t row_work =
       H * (2 * blk + D + 32 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
-    T Q[16], G[16];
-    std::vector<T> state(2 * H), ga_buf;
+    T Q[16], G[16], o4[4];
+    // per head: sum_e alpha ga, beta's gradient; CM: the row's [D, H] key gradient
+    std::vector<T> state(2 * H + (CM ? HD : 0)), ga_buf;
     T* __restrict__ sa = state.data();
     T* __restrict__ gb = sa + H;
     for (int64_t i = begin; i < end; ++i) {
@@ -312,14 +419,21 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
       const int64_t* nb = col + e0;
       for (int64_t e = 0; e < deg; ++e) {  // the sources' rows, for the loops below
         prefetch_row(src + nb[e] * HB, HB);
-        if (need.k) prefetch_row(ks + nb[e] * HD, HD);
+        if (need.k) prefetch_row(keys.s + nb[e] * HD, HD);
       }
       const T* g = gz + i * HB;
-      if (s.rotate) {
+      if (s.rotate || CM) {
         for (int64_t h = 0; h < H; ++h) {
           const int64_t row = i * H + h;
-          block_matrix(qd + row * 4, Q);
-          apply_rows(Q, g + h * blk, gy_buf + row * blk, M, false);
+          const T* gr = g + h * blk;
+          if (s.rotate) {
+            block_matrix(qd + row * 4, Q);
+            apply_rows(Q, gr, CM ? o4 : gy_rows + row * blk, M, false);
+            gr = o4;
+          }
+          if constexpr (CM) {
+            for (int c = 0; c < 4; ++c) gy_rows[i * HB + c * H + h] = gr[c];
+          }
         }
       }
       const T* __restrict__ gyr = gy + i * HB;
@@ -332,24 +446,36 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         const T* __restrict__ al = alpha + (e0 + e) * H;
         const T* ga = galpha ? galpha + (e0 + e) * H : nullptr;
         const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
+        T* __restrict__ acc = gar + e * H;
+        if constexpr (CM) {  // all heads at once, the sums in the order below
+          for (int64_t h = 0; h < H; ++h) acc[h] = (SCALED || !ga) ? T(0) : ga[h];
+          for (int c = 0; c < 4; ++c) {
+            for (int64_t h = 0; h < H; ++h) acc[h] += gyr[c * H + h] * uj[c * H + h];
+          }
+          for (int64_t h = 0; h < H; ++h) {
+            if constexpr (SCALED) acc[h] = sc[h] * acc[h] + (ga ? ga[h] : T(0));
+            sa[h] += al[h] * acc[h];
+          }
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) {
           const T* __restrict__ gh = gyr + h * blk;
           const T* __restrict__ uh = uj + h * blk;
-          T acc;
+          T a;
           if constexpr (SCALED) {  // y = sum alpha s u  =>  ga = s <gy, u> + galpha
             T d = 0;
             for (int64_t c = 0; c < blk; ++c) d += gh[c] * uh[c];
-            acc = sc[h] * d + (ga ? ga[h] : T(0));
+            a = sc[h] * d + (ga ? ga[h] : T(0));
           } else {
-            acc = ga ? ga[h] : T(0);
-            for (int64_t c = 0; c < blk; ++c) acc += gh[c] * uh[c];
+            a = ga ? ga[h] : T(0);
+            for (int64_t c = 0; c < blk; ++c) a += gh[c] * uh[c];
           }
-          gar[e * H + h] = acc;
-          sa[h] += al[h] * acc;
+          acc[h] = a;
+          sa[h] += al[h] * a;
         }
       }
       // dL/dlogit, beta's and the keys' gradients; gkd_i = sum_e gd_e ks_j.
-      T* __restrict__ gk = need.k ? gkd + i * HD : nullptr;
+      T* __restrict__ gk = need.k ? (CM ? gb + H : gkd + i * HD) : nullptr;
       if (need.k) {
         for (int64_t c = 0; c < HD; ++c) gk[c] = 0;
       }
@@ -367,27 +493,28 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
           if (use_abs) gdv *= T((d > 0) - (d < 0));
           gdr[h] = gdv;
         }
-        if (pass_b) {  // pass B's inputs, in its order
-          T* __restrict__ out = wg + pos_t[e0 + e] * 2 * H;
-          if (need_u) {
-            const T* sc = SCALED ? scale + (e0 + e) * H : nullptr;
-            for (int64_t h = 0; h < H; ++h) {
-              if constexpr (SCALED) {
-                out[h] = al[h] * sc[h];
-              } else {
-                out[h] = al[h];
-              }
-            }
-          }
-          if (need.k) {
-            for (int64_t h = 0; h < H; ++h) out[H + h] = gdr[h];
-          }
+        if (need.k) {  // pass B's input, gathered there
+          T* __restrict__ out = gd + (e0 + e) * H;
+          for (int64_t h = 0; h < H; ++h) out[h] = gdr[h];
         }
         if (need.k) {
-          const T* __restrict__ ksj = ks + nb[e] * HD;
+          const T* __restrict__ ksj = keys.s + nb[e] * HD;
+          if constexpr (CM) {
+            for (int64_t c = 0; c < D; ++c) {
+              for (int64_t h = 0; h < H; ++h) gk[c * H + h] += gdr[h] * ksj[c * H + h];
+            }
+          } else {
+            for (int64_t h = 0; h < H; ++h) {
+              const T gdv = gdr[h];
+              for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ksj[h * D + c];
+            }
+          }
+        }
+      }
+      if constexpr (CM) {  // the key gradient back to head-major
+        if (need.k) {
           for (int64_t h = 0; h < H; ++h) {
-            const T gdv = gdr[h];
-            for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ksj[h * D + c];
+            for (int64_t c = 0; c < D; ++c) gkd[i * HD + h * D + c] = gk[c * H + h];
           }
         }
       }
@@ -409,17 +536,29 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
   const int64_t col_work =
       H * (blk + D) * std::max<int64_t>(s.E / std::max<int64_t>(s.Ns, 1), 1) + H * 32 * M;
   at::parallel_for(0, s.Ns, grain(col_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> gu_buf(need_u && s.rotate ? HB : 0);
-    T Q[16], G[16];
+    // the edge's weights [H]; gu (unless accumulated in gv in place); CM: the
+    // [D, H] key gradient
+    std::vector<T> buf(H + (need_u && (s.rotate || CM) ? HB : 0) + (CM && need.k ? HD : 0));
+    T* __restrict__ wa = buf.data();
+    T Q[16], G[16], g4[4];
     for (int64_t j = begin; j < end; ++j) {
       const int64_t p0 = rowptr_t[j], p1 = rowptr_t[j + 1];
-      for (int64_t p = p0; p < p1; ++p) {  // the targets' rows, for the loop below
-        if (need_u) prefetch_row(gy + row_t[p] * HB, HB);
-        if (need.k) prefetch_row(kd + row_t[p] * HD, HD);
+      for (int64_t p = p0; p < p1; ++p) {  // the rows the loop below gathers
+        const int64_t e = perm_t[p];
+        if (need_u) {
+          prefetch_row(gy + row_t[p] * HB, HB);
+          prefetch_row(alpha + e * H, H);
+          if constexpr (SCALED) prefetch_row(scale + e * H, H);
+        }
+        if (need.k) {
+          prefetch_row(keys.d + row_t[p] * HD, HD);
+          prefetch_row(gd + e * H, H);
+        }
       }
-      // Without rotation gv = gu: accumulate in place.
-      T* __restrict__ gu = s.rotate ? gu_buf.data() : (need.v ? gv + j * HB : nullptr);
-      T* __restrict__ gk = need.k ? gks + j * HD : nullptr;
+      // Without rotation (and head-major) gv = gu: accumulate in place.
+      T* __restrict__ gu = s.rotate || CM ? wa + H : (need.v ? gv + j * HB : nullptr);
+      T* __restrict__ gk =
+          need.k ? (CM ? wa + H + (need_u ? HB : 0) : gks + j * HD) : nullptr;
       if (need_u) {
         for (int64_t c = 0; c < HB; ++c) gu[c] = 0;
       }
@@ -427,24 +566,70 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         for (int64_t c = 0; c < HD; ++c) gk[c] = 0;
       }
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t i = row_t[p];
-        const T* __restrict__ in = wg + p * 2 * H;
-        if (need_u) {
-          const T* __restrict__ gyi = gy + i * HB;
+        const int64_t i = row_t[p], e = perm_t[p];
+        if (need_u) {  // the edge's alpha (s)
+          const T* __restrict__ al = alpha + e * H;
+          const T* sc = SCALED ? scale + e * H : nullptr;
           for (int64_t h = 0; h < H; ++h) {
-            const T a = in[h];
-            T* __restrict__ o = gu + h * blk;
-            const T* __restrict__ gh = gyi + h * blk;
-            for (int64_t c = 0; c < blk; ++c) o[c] += a * gh[c];
+            if constexpr (SCALED) {
+              wa[h] = al[h] * sc[h];
+            } else {
+              wa[h] = al[h];
+            }
+          }
+          const T* __restrict__ gyi = gy + i * HB;
+          if constexpr (CM) {
+            for (int c = 0; c < 4; ++c) {
+              for (int64_t h = 0; h < H; ++h) gu[c * H + h] += wa[h] * gyi[c * H + h];
+            }
+          } else {
+            for (int64_t h = 0; h < H; ++h) {
+              const T a = wa[h];
+              T* __restrict__ o = gu + h * blk;
+              const T* __restrict__ gh = gyi + h * blk;
+              for (int64_t c = 0; c < blk; ++c) o[c] += a * gh[c];
+            }
           }
         }
         if (need.k) {
-          const T* __restrict__ ki = kd + i * HD;
-          for (int64_t h = 0; h < H; ++h) {
-            const T gdv = in[H + h];
-            for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ki[h * D + c];
+          const T* __restrict__ ki = keys.d + i * HD;
+          const T* __restrict__ gde = gd + e * H;
+          if constexpr (CM) {
+            for (int64_t c = 0; c < D; ++c) {
+              for (int64_t h = 0; h < H; ++h) gk[c * H + h] += gde[h] * ki[c * H + h];
+            }
+          } else {
+            for (int64_t h = 0; h < H; ++h) {
+              const T gdv = gde[h];
+              for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ki[h * D + c];
+            }
           }
         }
+      }
+      if constexpr (CM) {  // back to head-major: the key gradient, and gu per head
+        if (need.k) {
+          for (int64_t h = 0; h < H; ++h) {
+            for (int64_t c = 0; c < D; ++c) gks[j * HD + h * D + c] = gk[c * H + h];
+          }
+        }
+        if (need_u) {
+          for (int64_t h = 0; h < H; ++h) {
+            T* o = s.rotate ? g4 : (need.v ? gv + (j * H + h) * 4 : g4);
+            for (int c = 0; c < 4; ++c) o[c] = gu[c * H + h];
+            if (s.rotate) {
+              const int64_t r = j * H + h;
+              block_matrix(qs + r * 4, Q);
+              if (need.v) apply_rows(Q, g4, gv + r * blk, M, true);
+              if (need.q) {
+                outer_rows(g4, v + r * blk, M, G);
+                T* oq = gqs + r * 4;
+                oq[0] = oq[1] = oq[2] = oq[3] = 0;
+                add_block_matrix_grad(qs + r * 4, G, oq);
+              }
+            }
+          }
+        }
+        continue;
       }
       if (s.rotate && need_u) {
         for (int64_t h = 0; h < H; ++h) {
@@ -596,10 +781,8 @@ std::vector<torch::Tensor> qsv_backward(
   auto maybe = [&](bool need, std::vector<int64_t> shape) {
     return need ? torch::empty(shape, opts) : torch::empty({0}, opts);
   };
-  auto gy = maybe(rotate, {s.Nd, s.H, s.M, 4});
-  const bool pass_b = need_v || need.q || need.k;
-  auto wg = maybe(pass_b, {E, 2, s.H});
-  auto pos_t = pass_b ? torch::empty({E}, rowptr.options()) : torch::empty({0}, rowptr.options());
+  auto gy = maybe(rotate && s.M != 1, {s.Nd, s.H, s.M, 4});  // M = 1: channel-major inside
+  auto gd = maybe(need.k, {E, s.H});
   auto glogit = maybe(need_bias, {E, s.H});
   auto gbeta_part = torch::empty({s.Nd, s.H}, opts);
   auto gqd = maybe(need.q, {s.Nd, s.H, 4});
@@ -618,8 +801,7 @@ std::vector<torch::Tensor> qsv_backward(
           rowptr.data_ptr<int64_t>(), col.data_ptr<int64_t>(), rowptr_t.data_ptr<int64_t>(),
           perm_t.data_ptr<int64_t>(), row_t.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
           dot.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(u), ptr_or_null<scalar_t>(y),
-          ptr_or_null<scalar_t>(gy), ptr_or_null<scalar_t>(wg),
-          pos_t.numel() ? pos_t.data_ptr<int64_t>() : nullptr, ptr_or_null<scalar_t>(glogit),
+          ptr_or_null<scalar_t>(gy), ptr_or_null<scalar_t>(gd), ptr_or_null<scalar_t>(glogit),
           gbeta_part.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(gqd), ptr_or_null<scalar_t>(gkd), ptr_or_null<scalar_t>(gv),
           ptr_or_null<scalar_t>(gqs), ptr_or_null<scalar_t>(gks));
