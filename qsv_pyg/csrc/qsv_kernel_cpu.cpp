@@ -206,14 +206,64 @@ std::unique_ptr<T[]> to_channel_major(const T* x, int64_t N, int64_t H, int64_t 
   return out;
 }
 
-// The key rows in the kernels' layout: channel-major copies when CM (one copy
-// when both sides pass the same tensor), the inputs themselves otherwise.
+// The per-(node, head) quaternion work of a CM node, all heads at once (the
+// loops over heads vectorise): qc [4, H] the heads' quaternions and the
+// 4-vectors x, o, a, b [4, H], channel-major. The arithmetic is block_matrix,
+// apply_rows, outer_rows and add_block_matrix_grad's, term for term.
+//
+// o_h = Q(q_h) x_h, or Q(q_h)^T x_h when TRANSPOSE.
+template <bool TRANSPOSE, typename T>
+inline void apply_heads(const T* __restrict__ qc, const T* __restrict__ x, T* __restrict__ o,
+                        int64_t H) {
+  for (int64_t h = 0; h < H; ++h) {
+    const T q[4] = {qc[h], qc[H + h], qc[2 * H + h], qc[3 * H + h]};
+    const T xh[4] = {x[h], x[H + h], x[2 * H + h], x[3 * H + h]};
+    T Q[16], oh[4];
+    block_matrix(q, Q);
+    apply_rows(Q, xh, oh, 1, TRANSPOSE);
+    for (int c = 0; c < 4; ++c) o[c * H + h] = oh[c];
+  }
+}
+
+// out[h] = dL/dq_h (head-major [H, 4]) for dL/dQ_h = a_h b_h^T.
+template <typename T>
+inline void outer_grad_heads(const T* __restrict__ qc, const T* __restrict__ a,
+                             const T* __restrict__ b, T* __restrict__ out, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) {
+    const T q[4] = {qc[h], qc[H + h], qc[2 * H + h], qc[3 * H + h]};
+    const T ah[4] = {a[h], a[H + h], a[2 * H + h], a[3 * H + h]};
+    const T bh[4] = {b[h], b[H + h], b[2 * H + h], b[3 * H + h]};
+    T G[16], oh[4] = {0, 0, 0, 0};
+    outer_rows(ah, bh, 1, G);
+    add_block_matrix_grad(q, G, oh);
+    for (int c = 0; c < 4; ++c) out[h * 4 + c] = oh[c];
+  }
+}
+
+// One node's row [H, 4] <-> [4, H].
+template <typename T>
+inline void row_to_cm(const T* __restrict__ x, T* __restrict__ o, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) {
+    for (int c = 0; c < 4; ++c) o[c * H + h] = x[h * 4 + c];
+  }
+}
+
+template <typename T>
+inline void row_from_cm(const T* __restrict__ x, T* __restrict__ o, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) {
+    for (int c = 0; c < 4; ++c) o[h * 4 + c] = x[c * H + h];
+  }
+}
+
+// Rows [N, H, W] of both sides (keys, quaternions) in the kernels' layout:
+// channel-major copies when CM and W > 0 (one copy when both sides pass the
+// same tensor), the inputs themselves otherwise.
 template <bool CM, typename T>
-struct KeyRows {
+struct CMRows {
   std::unique_ptr<T[]> s_buf, d_buf;
   const T* s;
   const T* d;
-  KeyRows(const T* ks, const T* kd, int64_t Ns, int64_t Nd, int64_t H, int64_t D)
+  CMRows(const T* ks, const T* kd, int64_t Ns, int64_t Nd, int64_t H, int64_t D)
       : s(ks), d(kd) {
     if constexpr (CM) {
       if (D == 0) return;
@@ -237,26 +287,38 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
   constexpr bool CM = channel_major<BLK>();
   const int64_t H = s.H, M = s.M, D = key_width<DK>(s), blk = block_width<BLK>(s);
   const int64_t HB = H * blk, HD = H * D;
-  // CM: the sources' rows [Ns, 4, H] (rotated, or v itself), u still written.
+  const CMRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, D);
+  // CM: the quaternions channel-major too (the keys' copies when they are the
+  // keys), and the sources' rows [Ns, 4, H] (rotated, or v itself); u is still
+  // written, head-major.
+  const bool q_keys = CM && s.rotate && D == 4 && qs == ks && qd == kd;
+  const CMRows<CM, T> quats(qs, qd, s.Ns, s.Nd, H, CM && s.rotate && !q_keys ? 4 : 0);
+  const T* qs_cm = q_keys ? keys.s : quats.s;
+  const T* qd_cm = q_keys ? keys.d : quats.d;
   std::unique_ptr<T[]> src_cm(CM ? new T[std::max<int64_t>(s.Ns * HB, 1)] : nullptr);
-  if (s.rotate || CM) {  // u_m = Q_j v_m for every block of every source row (j, h)
-    at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
-      T Q[16];
-      for (int64_t r = begin; r < end; ++r) {
-        const T* ur = v + r * blk;
+  if constexpr (CM) {  // u_j = Q_j v_j, all heads of a source at once
+    at::parallel_for(0, s.Ns, grain(16 * H), [&](int64_t begin, int64_t end) {
+      std::vector<T> vc(HB);
+      for (int64_t j = begin; j < end; ++j) {
+        T* o = src_cm.get() + j * HB;
         if (s.rotate) {
-          block_matrix(qs + r * 4, Q);
-          apply_rows(Q, ur, u + r * blk, M, false);
-          ur = u + r * blk;
-        }
-        if constexpr (CM) {
-          T* o = src_cm.get() + (r / H) * HB + r % H;
-          for (int c = 0; c < 4; ++c) o[c * H] = ur[c];
+          row_to_cm(v + j * HB, vc.data(), H);
+          apply_heads<false>(qs_cm + j * HB, vc.data(), o, H);
+          row_from_cm(o, u + j * HB, H);
+        } else {
+          row_to_cm(v + j * HB, o, H);
         }
       }
     });
+  } else if (s.rotate) {  // u_m = Q_j v_m for every block of every source row (j, h)
+    at::parallel_for(0, s.Ns * H, grain(16 * M), [&](int64_t begin, int64_t end) {
+      T Q[16];
+      for (int64_t r = begin; r < end; ++r) {
+        block_matrix(qs + r * 4, Q);
+        apply_rows(Q, v + r * blk, u + r * blk, M, false);
+      }
+    });
   }
-  const KeyRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, D);
   const T* src = CM ? src_cm.get() : (s.rotate ? u : v);
   T* sum = s.rotate ? y : z;
   const bool use_abs = s.use_abs;
@@ -265,8 +327,8 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
     T Q[16];
     // per head: the running max (then 1 / total), the total, the edge's weight;
-    // CM: the row's [4, H] accumulator
-    std::vector<T> state(3 * H + (CM ? HB : 0));
+    // CM: the row's [4, H] accumulator and its rotation
+    std::vector<T> state(3 * H + (CM ? 2 * HB : 0));
     T* __restrict__ mx = state.data();
     T* __restrict__ tot = mx + H;
     T* __restrict__ wt = tot + H;
@@ -349,13 +411,14 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
           for (int64_t c = 0; c < blk; ++c) yh[c] += w * sh[c];
         }
       }
-      if constexpr (CM) {  // the accumulator back to head-major rows
-        T* out = sum + i * HB;
-        for (int64_t h = 0; h < H; ++h) {
-          for (int c = 0; c < 4; ++c) out[h * 4 + c] = yr[c * H + h];
+      if constexpr (CM) {  // the accumulator back to head-major rows; z_i = Q_i^T y_i
+        row_from_cm(yr, sum + i * HB, H);
+        if (s.rotate) {
+          T* zc = yr + HB;
+          apply_heads<true>(qd_cm + i * HB, yr, zc, H);
+          row_from_cm(zc, z + i * HB, H);
         }
-      }
-      if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
+      } else if (s.rotate) {  // z_m = Q_i^T y_m (rotate back by q_i*)
         for (int64_t h = 0; h < H; ++h) {
           const int64_t row = i * H + h;
           block_matrix(qd + row * 4, Q);
@@ -400,7 +463,12 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
     src_cm = to_channel_major(s.rotate ? u : v, s.Ns, H, 4);
     gy_cm.reset(new T[std::max<int64_t>(s.Nd * HB, 1)]);
   }
-  const KeyRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, need.k ? D : 0);
+  const CMRows<CM, T> keys(ks, kd, s.Ns, s.Nd, H, need.k ? D : 0);
+  // CM: the quaternions [N, 4, H] (the keys' copies when they are the keys)
+  const bool q_keys = CM && s.rotate && need.k && D == 4 && qs == ks && qd == kd;
+  const CMRows<CM, T> quats(qs, qd, s.Ns, s.Nd, H, CM && s.rotate && !q_keys ? 4 : 0);
+  const T* qs_cm = q_keys ? keys.s : quats.s;
+  const T* qd_cm = q_keys ? keys.d : quats.d;
   const T* src = CM ? src_cm.get() : (s.rotate ? u : v);
   T* gy_rows = CM ? gy_cm.get() : gy_buf;
   const T* gy = CM || s.rotate ? gy_rows : gz;
@@ -409,11 +477,14 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
   const int64_t row_work =
       H * (2 * blk + D + 32 * M) * std::max<int64_t>(s.E / std::max<int64_t>(s.Nd, 1), 1);
   at::parallel_for(0, s.Nd, grain(row_work), [&](int64_t begin, int64_t end) {
-    T Q[16], G[16], o4[4];
-    // per head: sum_e alpha ga, beta's gradient; CM: the row's [D, H] key gradient
-    std::vector<T> state(2 * H + (CM ? HD : 0)), ga_buf;
+    T Q[16], G[16];
+    // per head: sum_e alpha ga, beta's gradient; CM: the row's [D, H] key
+    // gradient, and its gz and y [4, H]
+    std::vector<T> state(2 * H + (CM ? HD + 2 * HB : 0)), ga_buf;
     T* __restrict__ sa = state.data();
     T* __restrict__ gb = sa + H;
+    T* __restrict__ gzc = gb + H + (CM ? HD : 0);
+    T* __restrict__ yc = gzc + (CM ? HB : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = rowptr[i], deg = rowptr[i + 1] - e0;
       const int64_t* nb = col + e0;
@@ -422,18 +493,18 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         if (need.k) prefetch_row(keys.s + nb[e] * HD, HD);
       }
       const T* g = gz + i * HB;
-      if (s.rotate || CM) {
+      if constexpr (CM) {  // gy_i = Q_i gz_i, all heads at once
+        if (s.rotate) {
+          row_to_cm(g, gzc, H);
+          apply_heads<false>(qd_cm + i * HB, gzc, gy_rows + i * HB, H);
+        } else {
+          row_to_cm(g, gy_rows + i * HB, H);
+        }
+      } else if (s.rotate) {
         for (int64_t h = 0; h < H; ++h) {
           const int64_t row = i * H + h;
-          const T* gr = g + h * blk;
-          if (s.rotate) {
-            block_matrix(qd + row * 4, Q);
-            apply_rows(Q, gr, CM ? o4 : gy_rows + row * blk, M, false);
-            gr = o4;
-          }
-          if constexpr (CM) {
-            for (int c = 0; c < 4; ++c) gy_rows[i * HB + c * H + h] = gr[c];
-          }
+          block_matrix(qd + row * 4, Q);
+          apply_rows(Q, g + h * blk, gy_rows + row * blk, M, false);
         }
       }
       const T* __restrict__ gyr = gy + i * HB;
@@ -519,7 +590,10 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
         }
       }
       for (int64_t h = 0; h < H; ++h) gbeta_part[i * H + h] = gb[h];
-      if (need.q && s.rotate) {  // z = Q^T y  =>  dL/dQ = sum_m y_m gz_m^T
+      if (need.q && s.rotate && CM) {  // z = Q^T y  =>  dL/dQ = y gz^T, all heads
+        row_to_cm(y + i * HB, yc, H);
+        outer_grad_heads(qd_cm + i * HB, yc, gzc, gqd + i * HB, H);
+      } else if (need.q && s.rotate) {  // z = Q^T y  =>  dL/dQ = sum_m y_m gz_m^T
         for (int64_t h = 0; h < H; ++h) {
           const int64_t row = i * H + h;
           outer_rows(y + row * blk, g + h * blk, M, G);
@@ -538,9 +612,11 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
   at::parallel_for(0, s.Ns, grain(col_work), [&](int64_t begin, int64_t end) {
     // the edge's weights [H]; gu (unless accumulated in gv in place); CM: the
     // [D, H] key gradient
-    std::vector<T> buf(H + (need_u && (s.rotate || CM) ? HB : 0) + (CM && need.k ? HD : 0));
+    // [D, H] key gradient and a [4, H] row
+    std::vector<T> buf(H + (need_u && (s.rotate || CM) ? HB : 0) + (CM ? HD + HB : 0));
     T* __restrict__ wa = buf.data();
-    T Q[16], G[16], g4[4];
+    T* __restrict__ tmp = buf.data() + buf.size() - (CM ? HB : 0);
+    T Q[16], G[16];
     for (int64_t j = begin; j < end; ++j) {
       const int64_t p0 = rowptr_t[j], p1 = rowptr_t[j + 1];
       for (int64_t p = p0; p < p1; ++p) {  // the rows the loop below gathers
@@ -612,22 +688,17 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
             for (int64_t c = 0; c < D; ++c) gks[j * HD + h * D + c] = gk[c * H + h];
           }
         }
-        if (need_u) {
-          for (int64_t h = 0; h < H; ++h) {
-            T* o = s.rotate ? g4 : (need.v ? gv + (j * H + h) * 4 : g4);
-            for (int c = 0; c < 4; ++c) o[c] = gu[c * H + h];
-            if (s.rotate) {
-              const int64_t r = j * H + h;
-              block_matrix(qs + r * 4, Q);
-              if (need.v) apply_rows(Q, g4, gv + r * blk, M, true);
-              if (need.q) {
-                outer_rows(g4, v + r * blk, M, G);
-                T* oq = gqs + r * 4;
-                oq[0] = oq[1] = oq[2] = oq[3] = 0;
-                add_block_matrix_grad(qs + r * 4, G, oq);
-              }
-            }
+        if (need_u && s.rotate) {  // u = Q v  =>  gv = Q^T gu, dL/dQ = gu v^T
+          if (need.v) {
+            apply_heads<true>(qs_cm + j * HB, gu, tmp, H);
+            row_from_cm(tmp, gv + j * HB, H);
           }
+          if (need.q) {
+            row_to_cm(v + j * HB, tmp, H);
+            outer_grad_heads(qs_cm + j * HB, gu, tmp, gqs + j * HB, H);
+          }
+        } else if (need_u && need.v) {
+          row_from_cm(gu, gv + j * HB, H);
         }
         continue;
       }
