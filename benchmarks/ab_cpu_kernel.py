@@ -57,8 +57,7 @@ def load_build(path: str) -> ModuleType:
         return module
     source = os.path.join(path, "qsv_pyg", "csrc", "qsv_kernel_cpu.cpp")
     if not os.path.isfile(source):
-        raise SystemExit(f"ab_cpu_kernel: {path} is neither a kernel library nor a checkout "
-                         f"(no {source})")
+        raise ValueError(f"{path} is neither a kernel library nor a checkout (no {source})")
     from torch.utils import cpp_extension
 
     flags = list(checkout_flags(path))
@@ -112,7 +111,10 @@ def main(argv=None) -> int:
     if args.rounds <= args.skip:
         parser.error("--rounds must exceed --skip")
     torch.set_num_threads(args.threads)
-    builds = {"a": load_build(args.a), "b": load_build(args.b)}
+    try:
+        builds = {"a": load_build(args.a), "b": load_build(args.b)}
+    except ValueError as exc:
+        parser.error(str(exc))
     rows = []
     print("| k | A ms | B ms | GATConv ms | B / A | A / GATConv | B / GATConv |")
     print("|---|---|---|---|---|---|---|")

@@ -206,3 +206,29 @@ def test_modelnet_split_check_finds_copies_and_reweights_to_the_test_mix(tmp_pat
     assert val["accuracy_at_mix"] == pytest.approx(
         sum(s * a for s, a in zip(shares, val["per_class"])))
     assert json.loads((tmp_path / "s.json").read_text())["val"] == out["val"]
+
+
+def test_ab_cpu_kernel_swaps_the_builds_and_rejects_a_bad_path(tmp_path, capsys):
+    """Both sides a kernel library (here the same one): every round times each
+    build and GATConv, and the JSON holds the ratios; a path that is neither a
+    library nor a checkout is a usage error (exit 2)."""
+    import qsv_pyg.nn._cpu_ext as cpu_ext
+
+    module = cpu_ext.cpu_kernel()
+    if module is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_ext._STATE['error']}")
+    ab = load_benchmark("ab_cpu_kernel")
+    out = tmp_path / "ab.json"
+    try:
+        assert ab.main([module.__file__, module.__file__, "--n", "64", "--ks", "4",
+                        "--rounds", "3", "--skip", "1", "--out", str(out)]) == 0
+    finally:
+        cpu_ext._STATE.update(tried=True, module=module)
+    row = json.loads(out.read_text())["results"][0]
+    assert row["k"] == 4 and set(row["ms"]) == {"a", "b", "gat"}
+    assert row["b_over_a"] == pytest.approx(row["ms"]["b"] / row["ms"]["a"])
+    assert "| 4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        ab.main([str(tmp_path), module.__file__])
+    assert exc.value.code == 2
+    assert "neither a kernel library nor a checkout" in capsys.readouterr().err
