@@ -240,6 +240,22 @@ inline void outer_grad_heads(const T* __restrict__ qc, const T* __restrict__ a,
   }
 }
 
+// gk += w_h k_h for every head h: k, gk [H, D] rows, or [D, H] when CM; w [H].
+template <bool CM, typename T>
+inline void add_weighted_keys(T* __restrict__ gk, const T* __restrict__ w,
+                              const T* __restrict__ k, int64_t H, int64_t D) {
+  if constexpr (CM) {
+    for (int64_t c = 0; c < D; ++c) {
+      for (int64_t h = 0; h < H; ++h) gk[c * H + h] += w[h] * k[c * H + h];
+    }
+  } else {
+    for (int64_t h = 0; h < H; ++h) {
+      const T wh = w[h];
+      for (int64_t c = 0; c < D; ++c) gk[h * D + c] += wh * k[h * D + c];
+    }
+  }
+}
+
 // One node's row [H, 4] <-> [4, H].
 template <typename T>
 inline void row_to_cm(const T* __restrict__ x, T* __restrict__ o, int64_t H) {
@@ -569,17 +585,7 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
           for (int64_t h = 0; h < H; ++h) out[h] = gdr[h];
         }
         if (need.k) {
-          const T* __restrict__ ksj = keys.s + nb[e] * HD;
-          if constexpr (CM) {
-            for (int64_t c = 0; c < D; ++c) {
-              for (int64_t h = 0; h < H; ++h) gk[c * H + h] += gdr[h] * ksj[c * H + h];
-            }
-          } else {
-            for (int64_t h = 0; h < H; ++h) {
-              const T gdv = gdr[h];
-              for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ksj[h * D + c];
-            }
-          }
+          add_weighted_keys<CM>(gk, gdr, keys.s + nb[e] * HD, H, D);
         }
       }
       if constexpr (CM) {  // the key gradient back to head-major
@@ -668,18 +674,7 @@ void backward_impl(const Dims& s, const Needs& need, const T* gz, const T* galph
           }
         }
         if (need.k) {
-          const T* __restrict__ ki = keys.d + i * HD;
-          const T* __restrict__ gde = gd + e * H;
-          if constexpr (CM) {
-            for (int64_t c = 0; c < D; ++c) {
-              for (int64_t h = 0; h < H; ++h) gk[c * H + h] += gde[h] * ki[c * H + h];
-            }
-          } else {
-            for (int64_t h = 0; h < H; ++h) {
-              const T gdv = gde[h];
-              for (int64_t c = 0; c < D; ++c) gk[h * D + c] += gdv * ki[h * D + c];
-            }
-          }
+          add_weighted_keys<CM>(gk, gd + e * H, keys.d + i * HD, H, D);
         }
       }
       if constexpr (CM) {  // back to head-major: the key gradient, and gu per head
