@@ -13,6 +13,10 @@ folder). Example, the kernel at an older commit against this checkout's::
 
     git worktree add /tmp/old <commit>
     python benchmarks/ab_cpu_kernel.py /tmp/old . --ks 8 16 --rounds 45 --out ab.json
+
+or one checkout's baseline (SSE2) build against its own choice of flags::
+
+    python benchmarks/ab_cpu_kernel.py . . --flags-a "" --heads 8
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import statistics
 import sys
 import time
 from types import ModuleType
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_json  # noqa: E402
@@ -36,17 +41,20 @@ from qsv_pyg.geometry import fibonacci_sphere, knn_within  # noqa: E402
 from qsv_pyg.nn import QSVConv  # noqa: E402
 
 
-def checkout_flags(path: str) -> tuple:
+def checkout_flags(path: str, extra: Optional[str] = None) -> tuple:
     """The compiler flags that checkout's own ``_cpu_ext`` builds with on this
-    machine (its ``cflags()``, or its ``CFLAGS`` before that existed)."""
+    machine (its ``cflags()``, or its ``CFLAGS`` before that existed); with
+    ``extra``, its base ``CFLAGS`` and these instead (``""``: the baseline build)."""
     spec = importlib.util.spec_from_file_location(
         "_ab_cpu_ext", os.path.join(path, "qsv_pyg", "nn", "_cpu_ext.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if extra is not None:
+        return tuple(module.CFLAGS) + tuple(extra.split())
     return module.cflags() if hasattr(module, "cflags") else tuple(module.CFLAGS)
 
 
-def load_build(path: str) -> ModuleType:
+def load_build(path: str, extra_flags: Optional[str] = None) -> ModuleType:
     """A kernel library, or a checkout's kernel source built with the flags of
     that checkout (:func:`checkout_flags`)."""
     if os.path.isfile(path):
@@ -60,7 +68,7 @@ def load_build(path: str) -> ModuleType:
         raise ValueError(f"{path} is neither a kernel library nor a checkout (no {source})")
     from torch.utils import cpp_extension
 
-    flags = list(checkout_flags(path))
+    flags = list(checkout_flags(path, extra_flags))
     with open(source, "rb") as f:
         digest = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:12]
     name = f"qsv_pyg_ab_kernel_{digest}"
@@ -99,6 +107,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", help="build A: a kernel library (.so) or a checkout")
     parser.add_argument("b", help="build B: a kernel library (.so) or a checkout")
+    parser.add_argument("--flags-a", default=None,
+                        help="build A from its checkout's base CFLAGS plus these (\"\": "
+                             "the baseline build) instead of its own choice")
+    parser.add_argument("--flags-b", default=None, help="the same for build B")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--ks", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--channels", type=int, default=64)
@@ -112,7 +124,7 @@ def main(argv=None) -> int:
         parser.error("--rounds must exceed --skip")
     torch.set_num_threads(args.threads)
     try:
-        builds = {"a": load_build(args.a), "b": load_build(args.b)}
+        builds = {"a": load_build(args.a, args.flags_a), "b": load_build(args.b, args.flags_b)}
     except ValueError as exc:
         parser.error(str(exc))
     rows = []
