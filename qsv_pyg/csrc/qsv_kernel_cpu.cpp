@@ -385,13 +385,16 @@ void forward_impl(const Dims& s, const T* v, const T* qs, const T* qd, const T* 
           mx[h] = l > mx[h] ? l : mx[h];
         }
       }
+      // exp(logit - max): the shift per edge, then the exp over the row's
+      // contiguous [deg, H] block at once (a loop over 4 heads alone would not
+      // fill 8-lane vectors), then the totals, each in edge order.
+      T* __restrict__ row_al = alpha + e0 * H;
       for (int64_t e = 0; e < deg; ++e) {
-        T* __restrict__ al = alpha + (e0 + e) * H;
-        for (int64_t h = 0; h < H; ++h) {
-          const T ex = softmax_exp(al[h] - mx[h]);
-          al[h] = ex;
-          tot[h] += ex;
-        }
+        for (int64_t h = 0; h < H; ++h) row_al[e * H + h] -= mx[h];
+      }
+      for (int64_t t = 0; t < deg * H; ++t) row_al[t] = softmax_exp(row_al[t]);
+      for (int64_t e = 0; e < deg; ++e) {
+        for (int64_t h = 0; h < H; ++h) tot[h] += row_al[e * H + h];
       }
       for (int64_t h = 0; h < H; ++h) mx[h] = T(1) / tot[h];
       const T* __restrict__ inv = mx;

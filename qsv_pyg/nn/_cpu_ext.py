@@ -69,12 +69,10 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "qsv_kernel_cpu.cpp")
 NAME = "qsv_pyg_csr_kernel"
 CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")  # the last: softmax_exp vectorises
-# Added on x86-64 where torch reports an AVX2 or AVX-512 CPU (see cflags): the
-# AVX2 instruction set with 128-bit vectors (8-lane vectors made the 4-head
-# layouts' forward 1.2-1.3x slower: loops over 4 heads; benchmarks/README.md,
-# stop 52), and no fused multiply-adds, so every product and sum is rounded as
-# in the baseline (SSE2) build and both builds give the same bits.
-AVX2_CFLAGS = ("-mavx2", "-mfma", "-ffp-contract=off", "-mprefer-vector-width=128")
+# Added on x86-64 where torch reports an AVX2 or AVX-512 CPU (see cflags):
+# 8-lane vectors, and no fused multiply-adds, so every product and sum is
+# rounded as in the baseline (SSE2) build and both builds give the same bits.
+AVX2_CFLAGS = ("-mavx2", "-mfma", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 TIMEOUT_ENV = "QSV_PYG_KERNEL_LOCK_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
